@@ -1,0 +1,36 @@
+"""Domain errors: every failure a user can cause or fix has a type here.
+
+Exactly one boundary (the CLI, later the HTTP app) turns these into user-facing
+messages. Each message says what went wrong *and what to do next*. Set
+``PREFIXCACHE_DEBUG=1`` to make the CLI re-raise instead of printing.
+"""
+
+from __future__ import annotations
+
+
+class PrefixCacheError(Exception):
+    """Base class of every error `prefixcache` raises on purpose."""
+
+
+class TaskError(PrefixCacheError):
+    """A task file is invalid. The message names the file, the line and the field."""
+
+
+class ModelNotFoundError(PrefixCacheError):
+    """A model spec could not be resolved to weights on this machine."""
+
+
+class PromptError(PrefixCacheError):
+    """A task cannot be rendered into a prefix and a suffix for this tokenizer."""
+
+
+class LabelCollisionError(PromptError):
+    """Two labels share their first token, so ``first-token`` scoring cannot tell them apart."""
+
+
+class InputError(PrefixCacheError):
+    """A record or an input file is bad. The message names the record and the field."""
+
+
+class VerificationError(PrefixCacheError):
+    """The cached path disagreed with full re-encoding."""

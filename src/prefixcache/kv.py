@@ -1,0 +1,162 @@
+"""PrefixKV: a prefix's key/value cache, computed once and shared read-only.
+
+A :class:`PrefixKV` holds, per decoder layer, the keys and values of the prefix
+tokens for batch size 1. It is never written after it is built.
+
+A batch does not copy the prefix. :meth:`PrefixKV.fork` returns a
+:class:`ForkedCache`, a transformers ``Cache`` whose layers keep the shared
+prefix tensors by reference and store only the batch's *own* tokens. On every
+attention call a layer returns ``cat(prefix.expand(B), own)``: a transient
+tensor for that one layer, freed before the next, so memory held per batch is
+``B x own_tokens``, never ``B x prefix``.
+
+Forks of one prefix are independent: each has its own suffix state, so any
+number of them (threads, requests, label continuations) can run at once
+without sharing a mutable tensor (invariant 2).
+
+This module knows nothing about tasks, labels or tokenizers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from .errors import PromptError
+
+
+@dataclass(frozen=True)
+class PrefixKV:
+    """Read-only keys/values of one prefix.
+
+    Attributes:
+        token_ids: the prefix tokens, in order.
+        keys, values: one tensor per layer, each ``[1, kv_heads, P, head_dim]``.
+    """
+
+    token_ids: tuple[int, ...]
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the key/value tensors."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    @classmethod
+    @torch.inference_mode()
+    def build(cls, model: torch.nn.Module, token_ids: list[int] | tuple[int, ...]) -> PrefixKV:
+        """Run the prefix through the decoder once and keep its cache.
+
+        Only the decoder stack runs (no output head): the prefix's logits are never needed.
+
+        Raises:
+            PromptError: the prefix is empty or the model uses sliding-window / non-attention layers.
+        """
+        if not token_ids:
+            raise PromptError("the prefix is empty: nothing to cache")
+        _require_full_attention(model.config)
+        device = next(model.parameters()).device
+        ids = torch.tensor([list(token_ids)], device=device)  # [1, P]
+        cache = DynamicCache(config=model.config)
+        model.base_model(input_ids=ids, cache=cache, use_cache=True)
+        keys = tuple(layer.keys for layer in cache.layers)  # each [1, kv_heads, P, head_dim]
+        values = tuple(layer.values for layer in cache.layers)
+        return cls(tuple(int(t) for t in token_ids), keys, values)
+
+    def fork(self, batch_size: int) -> ForkedCache:
+        """A fresh cache for ``batch_size`` rows that all continue this prefix. The prefix is shared, not copied."""
+        return ForkedCache([_ForkLayer(k, v, batch_size) for k, v in zip(self.keys, self.values)])
+
+    def checksum(self) -> float:
+        """A cheap fingerprint of the stored tensors (used by tests to prove nothing mutated them)."""
+        return float(sum(t.double().sum() for t in (*self.keys, *self.values)))
+
+
+def _require_full_attention(config) -> None:
+    text_config = config.get_text_config(decoder=True)
+    layer_types = getattr(text_config, "layer_types", None) or []
+    odd = sorted({t for t in layer_types if t != "full_attention"})
+    if odd or getattr(text_config, "use_sliding_window", False):
+        raise PromptError(
+            f"model type {config.model_type!r} uses layer types {odd or ['sliding_attention']}; "
+            "prefix sharing supports full-attention decoders only"
+        )
+
+
+class _ForkLayer(DynamicLayer):
+    """One layer of a fork: the shared prefix by reference plus this batch's own keys/values.
+
+    ``self.keys``/``self.values`` hold only the own tokens, ``[B, kv_heads, S_own, head_dim]``.
+    """
+
+    is_croppable = False
+
+    def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, batch_size: int):
+        super().__init__()
+        self.prefix_keys = prefix_keys  # [1, kv_heads, P, head_dim], never written
+        self.prefix_values = prefix_values
+        self.batch_size = batch_size
+        self.device = prefix_keys.device
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states: [B, kv_heads, S_new, head_dim]
+        if key_states.shape[0] != self.batch_size:
+            raise ValueError(f"fork was made for batch {self.batch_size}, got {key_states.shape[0]} rows")
+        if self.is_initialized:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+        else:
+            self.keys, self.values, self.is_initialized = key_states, value_states, True
+        batch = self.batch_size
+        full_keys = torch.cat([self.prefix_keys.expand(batch, -1, -1, -1), self.keys], dim=-2)
+        full_values = torch.cat([self.prefix_values.expand(batch, -1, -1, -1), self.values], dim=-2)
+        return full_keys, full_values  # [B, kv_heads, P + S_own, head_dim], transient
+
+    def own_length(self) -> int:
+        return self.keys.shape[-2] if self.is_initialized else 0
+
+    def get_seq_length(self) -> int:
+        return self.prefix_keys.shape[-2] + self.own_length()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.keys = self.keys.repeat_interleave(repeats, dim=0)
+            self.values = self.values.repeat_interleave(repeats, dim=0)
+        self.batch_size *= repeats
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys = self.keys[indices, ...]
+            self.values = self.values[indices, ...]
+        self.batch_size = int(indices.numel())
+
+
+class ForkedCache(Cache):
+    """A per-batch cache over a shared :class:`PrefixKV`. Safe to mutate; the prefix is untouched.
+
+    ``get_seq_length()`` is prefix length plus own tokens, so transformers sizes masks correctly.
+    """
+
+    def __init__(self, layers: list[_ForkLayer]):
+        super().__init__(layers=layers)
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].batch_size
+
+    @property
+    def own_length(self) -> int:
+        return self.layers[0].own_length()
+
+    def own_nbytes(self) -> int:
+        """Bytes this fork holds beyond the shared prefix."""
+        return sum(
+            t.numel() * t.element_size() for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)
+        )

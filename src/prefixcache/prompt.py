@@ -1,0 +1,192 @@
+"""Prompt: render a task with the model's chat template and split it at a checked token boundary.
+
+The task is rendered once with a sentinel in place of the record. Everything
+before the sentinel (instruction, taxonomy, few-shot turns, and the static
+lead of the input template such as ``"Ticket: "``) is the *prefix*; the
+record's own text plus the template's closing tokens is the *suffix*.
+
+Invariant 3: a record is only ever fed as ``prefix_ids + suffix_ids`` where
+``tokenize(prefix_text + suffix_text) == prefix_ids + suffix_ids``. When the
+tokenizer merges across the boundary (a trailing space, a split mid-word), the
+stored prefix is *healed*: its last token(s) move into every suffix. Records
+are still checked one by one; one that breaks the boundary anyway is reported
+(``Encoded.suffix_ids is None``) so the runner can re-encode it in full.
+
+This module knows nothing about models or caches: only text and token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from .errors import InputError, LabelCollisionError, PromptError
+from .task import Task
+
+SENTINEL = "\u27e6RECORD\u27e7"
+MAX_HEAL = 8
+# Suffix openings that stress the boundary: letters, case, digits, spaces, punctuation, non-ASCII.
+BOUNDARY_PROBES = ("a", "A", "the", "The", " x", "  y", "1", "42", "?", "!", ".", ",", "-", "'s", '"q', "\u00e9t\u00e9", "\u65e5\u672c", "\n", "\t")
+METHODS = ("auto", "first-token", "full")
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One record, tokenized.
+
+    ``full_ids`` is exactly what full re-encoding feeds the model. ``suffix_ids``
+    is ``full_ids[len(prefix_ids):]`` when the record respects the boundary, else ``None``.
+    """
+
+    full_ids: tuple[int, ...]
+    suffix_ids: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A task rendered for one tokenizer.
+
+    Attributes:
+        prefix_text: the static text before the record (including the input template's lead).
+        lead: static text of the input template before its first field (already in ``prefix_text``).
+        tail_text: the chat template's text after the record (end of turn, assistant header).
+        prefix_ids: tokens stored in the prefix cache (healed: may omit the last ``heal`` tokens
+            of ``tokenize(prefix_text)``, which then start every suffix).
+        heal: how many trailing prefix tokens were moved into the suffix.
+        label_ids: per label, the tokens of the answer as they follow ``tail_text``.
+    """
+
+    task: Task
+    prefix_text: str
+    lead: str
+    tail_text: str
+    prefix_ids: tuple[int, ...]
+    heal: int
+    label_ids: dict[str, tuple[int, ...]]
+
+    def suffix_text(self, record: Mapping[str, object], record_id: object = None) -> str:
+        """The record's part of the prompt: the filled template (minus its lead) plus the tail.
+
+        Raises:
+            InputError: a template field is missing or not text; names the record and the field.
+        """
+        values = {}
+        for field in self.task.fields:
+            if field not in record or record[field] is None:
+                raise InputError(f"record {record_id!r}: missing field {field!r} (the task's input_template needs it)")
+            value = record[field]
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise InputError(f"record {record_id!r}: field {field!r} must be text, not {type(value).__name__}")
+            values[field] = str(value)
+        filled = self.task.input_template.format(**values)
+        return filled[len(self.lead):] + self.tail_text
+
+    def full_text(self, record: Mapping[str, object], record_id: object = None) -> str:
+        return self.prefix_text + self.suffix_text(record, record_id)
+
+    def encode(self, tokenizer, texts: Sequence[str]) -> list[Encoded]:
+        """Tokenize full prompts (``prefix_text + suffix``) and check each against the stored prefix."""
+        if not texts:
+            return []
+        batch = tokenizer([self.prefix_text + t for t in texts], add_special_tokens=False)["input_ids"]
+        n = len(self.prefix_ids)
+        out = []
+        for ids in batch:
+            ids = tuple(ids)
+            ok = ids[:n] == self.prefix_ids
+            out.append(Encoded(ids, ids[n:] if ok else None))
+        return out
+
+    def first_token_ids(self) -> list[int]:
+        return [ids[0] for ids in self.label_ids.values()]
+
+    def resolve_method(self, method: str) -> str:
+        """``auto`` becomes ``first-token`` unless two labels share a first token, then ``full``.
+
+        Raises:
+            LabelCollisionError: ``first-token`` was asked for but two labels share a first token.
+        """
+        if method not in METHODS:
+            raise PromptError(f"scoring method must be one of {METHODS}, not {method!r}")
+        collision = self.first_token_collision()
+        if method == "auto":
+            return "full" if collision else "first-token"
+        if method == "first-token" and collision:
+            a, b, token = collision
+            raise LabelCollisionError(
+                f"labels {a!r} and {b!r} both start with token {token}; first-token scoring cannot tell them "
+                "apart. Use --method full, or rename one label."
+            )
+        return method
+
+    def first_token_collision(self) -> tuple[str, str, int] | None:
+        seen: dict[int, str] = {}
+        for label, ids in self.label_ids.items():
+            if ids[0] in seen:
+                return seen[ids[0]], label, ids[0]
+            seen[ids[0]] = label
+        return None
+
+
+def render_messages(task: Task) -> list[dict[str, str]]:
+    """Chat messages for ``task`` with :data:`SENTINEL` in place of the record."""
+    taxonomy = "\n".join(f"- {name}: {description}" for name, description in task.labels.items())
+    system = (
+        f"{task.instruction.strip()}\n\nCategories:\n{taxonomy}\n\n"
+        f"Answer with exactly one category name: {', '.join(task.labels)}."
+    )
+    messages = [{"role": "system", "content": system}]
+    fields = task.fields
+    for example in task.examples:
+        filled = task.input_template.format(**{f: example.text for f in fields})
+        messages += [{"role": "user", "content": filled}, {"role": "assistant", "content": example.label}]
+    lead = input_lead(task)
+    messages.append({"role": "user", "content": lead + SENTINEL})
+    return messages
+
+
+def input_lead(task: Task) -> str:
+    """The static text of the input template before its first field (``"Ticket: "`` for ``"Ticket: {text}"``)."""
+    first = task.input_template.index("{" + task.fields[0] + "}")
+    return task.input_template[:first].replace("{{", "{").replace("}}", "}")
+
+
+def build_prompt(task: Task, tokenizer) -> Prompt:
+    """Render ``task`` with ``tokenizer``'s chat template, heal the boundary, and tokenize the labels.
+
+    Raises:
+        PromptError: no chat template, a sentinel problem, an unhealable boundary, or a label whose
+            tokens are not stable after the template's tail.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError("this tokenizer has no chat template; use an instruction-tuned (chat) model")
+    rendered = tokenizer.apply_chat_template(render_messages(task), tokenize=False, add_generation_prompt=True)
+    if rendered.count(SENTINEL) != 1:
+        raise PromptError("the chat template did not keep the record placeholder exactly once")
+    prefix_text, tail_text = rendered.split(SENTINEL)
+    encode = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    raw_prefix = encode(prefix_text)
+    heal = _healing_depth(encode, prefix_text, raw_prefix, tail_text)
+    label_ids = {label: _label_tokens(encode, tail_text, label) for label in task.labels}
+    return Prompt(task, prefix_text, input_lead(task), tail_text, raw_prefix[: len(raw_prefix) - heal], heal, label_ids)
+
+
+def _healing_depth(encode, prefix_text: str, raw_prefix: tuple[int, ...], tail_text: str) -> int:
+    """Fewest trailing prefix tokens to move into the suffix so every probe respects the boundary."""
+    probes = [encode(prefix_text + probe + tail_text) for probe in BOUNDARY_PROBES]
+    for heal in range(0, min(MAX_HEAL, len(raw_prefix) - 1) + 1):
+        kept = raw_prefix[: len(raw_prefix) - heal]
+        if all(ids[: len(kept)] == kept for ids in probes):
+            return heal
+    raise PromptError(
+        f"the prefix's last {MAX_HEAL} tokens merge with what follows; end the input template's lead "
+        "with a newline or a special token"
+    )
+
+
+def _label_tokens(encode, tail_text: str, label: str) -> tuple[int, ...]:
+    tail = encode(tail_text)
+    whole = encode(tail_text + label)
+    if whole[: len(tail)] != tail or len(whole) == len(tail):
+        raise PromptError(f"label {label!r} merges with the chat template's answer header; it cannot be scored exactly")
+    return whole[len(tail):]

@@ -1,0 +1,230 @@
+"""Runner: records in, Predictions out, in input order.
+
+The loop reads as four stages per window of records:
+
+1. ``_prepare``: render and tokenize each record, checking the prefix boundary;
+2. ``_plan``: cut the window into batches (length-sorted in ``batched`` mode);
+3. ``_run``: one :func:`~prefixcache.engine.score_rows` call per batch;
+4. ``_emit``: restore input order and yield Predictions.
+
+Modes (:data:`MODES`): ``full`` re-encodes every whole prompt (the baseline),
+``cached`` feeds one record per pass over the stored prefix (the published
+recipe), ``batched`` feeds ``batch_size`` records per pass.
+
+A record that cannot be rendered yields a Prediction with ``error`` set; it is
+never dropped. A record whose tokens cross the prefix boundary is scored by
+full re-encoding, and counted in :attr:`RunStats.boundary_fallbacks`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Mapping
+
+import torch
+
+from .engine import empty_prefix, score_rows
+from .errors import InputError
+from .kv import PrefixKV
+from .models import LoadedModel
+from .prompt import Prompt, build_prompt
+from .scoring import LabelHead, LabelScores
+from .task import Task
+
+MODES = ("full", "cached", "batched")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One input record: an id and its fields (``text`` and whatever the task's template reads)."""
+
+    id: object
+    fields: Mapping[str, object]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The result for one record. Exactly one of ``scores`` and ``error`` is set."""
+
+    id: object
+    scores: LabelScores | None = None
+    error: str | None = None
+    boundary_fallback: bool = False
+
+    @property
+    def label(self) -> str | None:
+        return self.scores.label if self.scores else None
+
+    def to_json(self) -> dict:
+        if self.scores is None:
+            return {"id": self.id, "label": None, "scores": None, "margin": None, "error": self.error}
+        return {
+            "id": self.id,
+            "label": self.scores.label,
+            "scores": {k: round(v, 6) for k, v in self.scores.probabilities.items()},
+            "margin": round(self.scores.margin, 6),
+        }
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How to run. ``window`` records are read, sorted by length and batched at a time."""
+
+    mode: str = "batched"
+    batch_size: int = 32
+    window: int = 1024
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {self.mode!r}")
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+
+
+@dataclass
+class RunStats:
+    """Counters of one run."""
+
+    records: int = 0
+    errors: int = 0
+    boundary_fallbacks: int = 0
+    forward_passes: int = 0
+    tokens_computed: int = 0
+    seconds: float = 0.0
+    prefix_seconds: float = 0.0
+    per_batch: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Item:
+    index: int
+    record: Record
+    rows: tuple[int, ...] | None = None  # tokens fed after the prefix used
+    full: bool = False  # fed after the empty prefix (full re-encode or boundary fallback)
+    error: str | None = None
+
+
+class Classifier:
+    """A task bound to a model: builds the prompt and the prefix cache once, then classifies records.
+
+    Thread safety: the stored prefix is read-only and every batch uses its own fork,
+    so several threads may call :meth:`classify` at once.
+    """
+
+    def __init__(self, loaded: LoadedModel, task: Task, method: str = "auto"):
+        self.loaded = loaded
+        self.task = task
+        self.prompt: Prompt = build_prompt(task, loaded.tokenizer)
+        self.method = self.prompt.resolve_method(method)
+        self.head = LabelHead(loaded.model, self.prompt, self.method)
+        self._prefix: PrefixKV | None = None
+        self._empty = empty_prefix(loaded.model)
+        self.prefix_seconds = 0.0
+
+    @property
+    def prefix(self) -> PrefixKV:
+        """The task's prefix cache, built on first use."""
+        if self._prefix is None:
+            started = time.perf_counter()
+            self._prefix = PrefixKV.build(self.loaded.model, self.prompt.prefix_ids)
+            self.prefix_seconds = time.perf_counter() - started
+        return self._prefix
+
+    def classify(
+        self,
+        records: Iterable[Record],
+        config: RunConfig = RunConfig(),
+        progress: Callable[[int], None] | None = None,
+        stats: RunStats | None = None,
+    ) -> Iterator[Prediction]:
+        """Yield one Prediction per record, in input order."""
+        stats = stats if stats is not None else RunStats()
+        if config.mode != "full":
+            _ = self.prefix
+            stats.prefix_seconds = self.prefix_seconds
+        window: list[Record] = []
+        for record in records:
+            window.append(record)
+            if len(window) >= config.window:
+                yield from self._window(window, config, progress, stats)
+                window = []
+        if window:
+            yield from self._window(window, config, progress, stats)
+
+    def classify_all(self, records: Iterable[Record], config: RunConfig = RunConfig(), **kw) -> list[Prediction]:
+        return list(self.classify(records, config, **kw))
+
+    def _window(self, records, config, progress, stats) -> Iterator[Prediction]:
+        started = time.perf_counter()
+        items = self._prepare(records, config.mode)
+        results: dict[int, Prediction] = {}
+        for prefix, batch in self._plan(items, config):
+            scores = self._run(prefix, batch, stats)
+            for item, score in zip(batch, scores):
+                results[item.index] = Prediction(item.record.id, score, boundary_fallback=item.full and config.mode != "full")
+            if progress:
+                progress(len(batch))
+        for item in items:
+            if item.error is not None:
+                results[item.index] = Prediction(item.record.id, error=item.error)
+                if progress:
+                    progress(1)
+        stats.records += len(items)
+        stats.errors += sum(1 for i in items if i.error is not None)
+        stats.boundary_fallbacks += sum(1 for i in items if i.full and config.mode != "full")
+        stats.seconds += time.perf_counter() - started
+        yield from self._emit(items, results)
+
+    def _prepare(self, records: list[Record], mode: str) -> list[_Item]:
+        """Render and tokenize; route each record to the stored prefix or to full re-encoding."""
+        texts, items = [], []
+        for i, record in enumerate(records):
+            try:
+                texts.append((i, self.prompt.suffix_text(record.fields, record.id)))
+            except InputError as exc:
+                items.append(_Item(i, record, error=str(exc)))
+        encoded = self.prompt.encode(self.loaded.tokenizer, [t for _, t in texts])
+        for (i, _), enc in zip(texts, encoded):
+            if mode == "full" or enc.suffix_ids is None:
+                items.append(_Item(i, records[i], rows=enc.full_ids, full=True))
+            else:
+                items.append(_Item(i, records[i], rows=enc.suffix_ids))
+        return sorted(items, key=lambda it: it.index)
+
+    def _plan(self, items: list[_Item], config: RunConfig) -> Iterator[tuple[PrefixKV, list[_Item]]]:
+        """Batches, each over one prefix. ``batched`` sorts by length to cut padding."""
+        runnable = [it for it in items if it.error is None]
+        for use_full in (True, False):
+            group = [it for it in runnable if it.full == use_full]
+            if not group:
+                continue
+            size = config.batch_size if config.mode == "batched" else 1
+            if size > 1:
+                group = sorted(group, key=lambda it: len(it.rows))
+            prefix = self._empty if use_full else self.prefix
+            for start in range(0, len(group), size):
+                yield prefix, group[start : start + size]
+
+    def _run(self, prefix: PrefixKV, batch: list[_Item], stats: RunStats) -> list[LabelScores]:
+        logprobs = score_rows(self.loaded.model, prefix, [it.rows for it in batch], self.head)  # [B, L]
+        stats.forward_passes += 1
+        stats.tokens_computed += sum(len(it.rows) for it in batch)
+        stats.per_batch.append(len(batch))
+        return self.head.to_scores(logprobs)
+
+    @staticmethod
+    def _emit(items: list[_Item], results: dict[int, Prediction]) -> Iterator[Prediction]:
+        for item in items:
+            yield results[item.index]
+
+
+def records_from_texts(texts: Iterable[str]) -> list[Record]:
+    """Records with 0-based ids from plain strings."""
+    return [Record(i, {"text": t}) for i, t in enumerate(texts)]
+
+
+@torch.inference_mode()
+def warmup(classifier: Classifier) -> None:
+    """Build the prefix and run one tiny batch, so timings exclude one-time costs."""
+    list(classifier.classify([Record("warmup", {f: "hello" for f in classifier.task.fields})], RunConfig("batched", 1)))

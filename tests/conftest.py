@@ -1,0 +1,122 @@
+"""Shared fixtures: a tiny BPE tokenizer with a chat template and tiny random Llama/Qwen2 models, all built in-process.
+
+Nothing here touches the network or the disk outside pytest's tmp dirs, so these
+tests run from a plain clone in seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+from prefixcache.models import LoadedModel, build_random_model
+from prefixcache.task import parse_task
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = [
+    "Ticket: I was charged twice for my subscription, please refund the extra payment.",
+    "Ticket: The app crashes every time I open the settings page on Android.",
+    "Ticket: I cannot log in, the password reset email never arrives.",
+    "Classify the customer support ticket into billing, technical or account.",
+    "billing technical account invoice refund error crash login password email",
+    "Categories: billing: money. technical: bugs. account: access.",
+]
+
+TASK_YAML = """\
+name: tiny-tickets
+instruction: Classify the customer support ticket.
+labels:
+  billing: invoices, charges and refunds
+  technical: bugs, errors and crashes
+  account: login, password and profile
+examples:
+  - text: I was charged twice this month
+    label: billing
+  - text: The app crashes on start
+    label: technical
+  - text: I cannot reset my password
+    label: account
+input_template: "Ticket: {text}"
+"""
+
+TEXTS = [
+    "refund my money now",
+    "the export button throws error 500 when I click it twice",
+    "hi",
+    "I changed my email and now I cannot log in to my account at all, help",
+    "crash",
+    "Why was my card billed $49.99 on March 3rd?",
+    "password",
+    "Ticket stuck: sync fails with timeout after the latest update on iOS 17",
+    "",
+]
+
+
+def make_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained in-process, with ChatML special tokens and template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def tiny_config(arch: str, vocab: int):
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common)
+    return Qwen2Config(**common, rope_theta=1e6, use_sliding_window=False)
+
+
+def tiny_loaded(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> LoadedModel:
+    tokenizer = make_tokenizer()
+    model = build_random_model(tiny_config(arch, len(tokenizer)), dtype=dtype, seed=seed)
+    return LoadedModel(model, tokenizer, f"tiny-{arch}", f"tiny-{arch}-seed{seed}", dtype, torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny(request) -> LoadedModel:
+    return tiny_loaded(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> LoadedModel:
+    return tiny_loaded("llama")
+
+
+@pytest.fixture(scope="session")
+def task():
+    return parse_task(TASK_YAML, "tiny.yaml")
+
+
+@pytest.fixture
+def texts():
+    return list(TEXTS)
