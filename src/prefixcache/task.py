@@ -73,10 +73,9 @@ class Task(BaseModel):
 
     @model_validator(mode="after")
     def _examples_use_known_labels(self) -> Task:
-        for i, example in enumerate(self.examples):
-            if example.label not in self.labels:
-                known = ", ".join(self.labels)
-                raise ValueError(f"examples[{i}].label {example.label!r} is not one of the labels ({known})")
+        problems = example_label_problems(self.examples, self.labels)
+        if problems:
+            raise ValueError(problems[0][1])
         return self
 
     @property
@@ -87,6 +86,16 @@ class Task(BaseModel):
     def fields(self) -> list[str]:
         """Record fields the input template reads, in order of first use."""
         return template_fields(self.input_template)
+
+
+def example_label_problems(examples: list[Example], labels: dict[str, str]) -> list[tuple[tuple, str]]:
+    """(location, message) for every example whose label is not in the taxonomy."""
+    known = ", ".join(labels)
+    return [
+        (("examples", i, "label"), f"{example.label!r} is not one of the labels ({known})")
+        for i, example in enumerate(examples)
+        if example.label not in labels
+    ]
 
 
 def template_fields(template: str) -> list[str]:
@@ -152,23 +161,39 @@ def parse_task(text: str, source: str = "<string>") -> Task:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source
         problem = getattr(exc, "problem", None) or str(exc)
+        context = getattr(exc, "context_mark", None)
+        if getattr(exc, "context", None) and context is not None and context is not mark:
+            problem += f" ({exc.context} at line {context.line + 1})"
         raise TaskError(f"{where}: invalid YAML: {problem}") from None
     if not isinstance(data, dict):
         raise TaskError(f"{source}: a task file must be a mapping with keys name, instruction, labels, ...")
     try:
         return Task.model_validate(data)
     except ValidationError as exc:
-        lines = []
+        problems = []
         for err in exc.errors():
-            loc = tuple(p for p in err["loc"] if p not in ("__root__",))
-            field = ".".join(str(p) for p in loc) or "(task)"
-            line = _line_of(root, loc)
-            where = f"{source}:{line}" if line else source
+            loc = tuple(err["loc"])
             message = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
                 message = "unknown key (allowed: " + ", ".join(_allowed_keys(loc)) + ")"
-            lines.append(f"{where}: field '{field}': {message}")
+            if not loc:  # a whole-model check: re-derive the precise locations
+                problems += _whole_task_problems(data) or [((), message)]
+            else:
+                problems.append((loc, message))
+        lines = []
+        for loc, message in problems:
+            line = _line_of(root, loc)
+            where = f"{source}:{line}" if line else source
+            lines.append(f"{where}: field '{'.'.join(map(str, loc)) or '(task)'}': {message}")
         raise TaskError("invalid task file\n  " + "\n  ".join(lines)) from None
+
+
+def _whole_task_problems(data: dict) -> list[tuple[tuple, str]]:
+    try:
+        examples = [Example.model_validate(e) for e in data.get("examples") or []]
+    except ValidationError:
+        return []
+    return example_label_problems(examples, data.get("labels") or {})
 
 
 def _allowed_keys(loc: tuple) -> list[str]:

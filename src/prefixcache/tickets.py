@@ -5,7 +5,8 @@ Contract of :func:`generate_tickets`:
 * **Deterministic.** The same ``(n, seed)`` always gives the same list, across
   runs and machines. All randomness comes from one ``random.Random(seed)``; nothing
   depends on hashing, set order or the clock. The bundled file
-  ``datasets/support_tickets.jsonl`` is ``generate_tickets(600, seed=0)``.
+  ``datasets/support_tickets.jsonl`` is ``generate_tickets(600, seed=0)``,
+  one ``json.dumps(ticket, ensure_ascii=False)`` per line (UTF-8, ``\n``).
 * **Balanced labels.** Each of ``billing``, ``technical`` and ``account`` gets
   ``n // 3`` tickets; the ``n % 3`` left over go to the first labels of that
   list, one each. The order of the tickets is shuffled by the seed, and ids are

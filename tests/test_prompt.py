@@ -1,0 +1,104 @@
+"""Invariant 3 (checked boundary) and label tokenization."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixcache.errors import LabelCollisionError, PromptError
+from prefixcache.prompt import build_prompt
+from prefixcache.runner import Classifier, RunConfig, records_from_texts
+from prefixcache.task import parse_task
+from prefixcache.verify import compare
+
+from conftest import TASK_YAML
+
+
+def _task(**changes) -> object:
+    text = TASK_YAML
+    for old, new in changes.items():
+        text = text.replace(old, new)
+    return parse_task(text, "t.yaml")
+
+
+def test_trailing_space_prefix_is_healed_and_matches_full(tiny_llama, texts):
+    """A prefix ending in 'Ticket: ' would split ' word' tokens; healing moves the space into the suffix."""
+    task = _task()
+    prompt = build_prompt(task, tiny_llama.tokenizer)
+    assert prompt.prefix_text.endswith("Ticket: ")
+    raw = tuple(tiny_llama.tokenizer(prompt.prefix_text, add_special_tokens=False)["input_ids"])
+    assert prompt.heal >= 1, "the trailing space should have forced healing"
+    assert prompt.prefix_ids == raw[: len(raw) - prompt.heal]
+    for text in texts:
+        full = tuple(tiny_llama.tokenizer(prompt.full_text({"text": text}), add_special_tokens=False)["input_ids"])
+        encoded = prompt.encode(tiny_llama.tokenizer, [prompt.suffix_text({"text": text})])[0]
+        assert encoded.suffix_ids is not None, f"record {text!r} broke the healed boundary"
+        assert prompt.prefix_ids + encoded.suffix_ids == full, "cached tokens differ from full re-encoding"
+    classifier = Classifier(tiny_llama, task)
+    records = records_from_texts(texts)
+    agreement = compare(
+        classifier.classify_all(records, RunConfig("full", 1)), classifier.classify_all(records, RunConfig("batched", 4))
+    )
+    assert agreement.ok and agreement.max_abs_logprob_diff < 1e-4
+
+
+def test_unhealed_split_would_differ(tiny_llama):
+    """Guard the guard: without healing, prefix + suffix tokens would NOT equal the full tokenization."""
+    prompt = build_prompt(_task(), tiny_llama.tokenizer)
+    tok = tiny_llama.tokenizer
+    raw = tok(prompt.prefix_text, add_special_tokens=False)["input_ids"]
+    suffix = tok(prompt.suffix_text({"text": "refund my money"}), add_special_tokens=False)["input_ids"]
+    full = tok(prompt.full_text({"text": "refund my money"}), add_special_tokens=False)["input_ids"]
+    assert raw + suffix != full
+
+
+def test_record_breaking_the_boundary_falls_back_to_full(tiny_llama, monkeypatch):
+    task = _task()
+    classifier = Classifier(tiny_llama, task)
+    # Pretend the stored prefix ends with a token no record would produce: every record must fall back.
+    broken = classifier.prompt.prefix_ids[:-1] + (0,)
+    monkeypatch.setattr(classifier.prompt, "prefix_ids", broken, raising=False) if False else None
+    object.__setattr__(classifier.prompt, "prefix_ids", broken)
+    predictions = classifier.classify_all(records_from_texts(["refund please", "app crash"]), RunConfig("batched", 2))
+    assert all(p.boundary_fallback for p in predictions)
+    reference = classifier.classify_all(records_from_texts(["refund please", "app crash"]), RunConfig("full", 1))
+    assert [p.label for p in predictions] == [p.label for p in reference]
+
+
+def test_first_token_collision_names_both_labels(tokenizer):
+    task = parse_task(
+        "name: c\ninstruction: x\nlabels: {refund_request: a, refund_status: b, other: c}\n", "c.yaml"
+    )
+    prompt = build_prompt(task, tokenizer)
+    assert prompt.first_token_collision() is not None
+    with pytest.raises(LabelCollisionError) as info:
+        prompt.resolve_method("first-token")
+    assert "refund_request" in str(info.value) and "refund_status" in str(info.value)
+    assert prompt.resolve_method("auto") == "full"
+
+
+def test_full_method_separates_colliding_labels(tiny_llama, texts):
+    task = parse_task("name: c\ninstruction: x\nlabels: {refund_request: a, refund_status: b, other: c}\n", "c.yaml")
+    classifier = Classifier(tiny_llama, task, "auto")
+    assert classifier.method == "full"
+    records = records_from_texts(texts)
+    agreement = compare(
+        classifier.classify_all(records, RunConfig("full", 1)), classifier.classify_all(records, RunConfig("batched", 7))
+    )
+    assert agreement.ok and agreement.max_abs_logprob_diff < 1e-4
+
+
+def test_no_chat_template_is_a_clear_error(task):
+    from conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(PromptError, match="chat template"):
+        build_prompt(task, tok)
+
+
+def test_template_lead_and_multi_field_templates(tiny_llama):
+    task = _task(**{'input_template: "Ticket: {text}"': 'input_template: "Subject: {subject}\\nBody: {text}"'})
+    prompt = build_prompt(task, tiny_llama.tokenizer)
+    assert prompt.lead == "Subject: "
+    suffix = prompt.suffix_text({"subject": "Refund", "text": "charged twice"})
+    assert suffix.startswith("Refund\nBody: charged twice")
