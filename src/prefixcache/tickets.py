@@ -284,6 +284,12 @@ _CLOSERS: dict[str, tuple[str, ...]] = {
 }
 _TONES = ("polite", "polite", "angry", "terse", "neutral", "neutral")
 
+# Templates are written out in full; about half the tickets get contractions.
+_CONTRACTIONS = (("cannot", "can't"), ("do not", "don't"), ("does not", "doesn't"),
+                 ("did not", "didn't"), ("will not", "won't"), ("is not", "isn't"),
+                 ("I am", "I'm"), ("I have", "I've"), ("I would", "I'd"),
+                 ("We are", "We're"), ("we are", "we're"), ("There is", "There's"))
+
 
 def approx_tokens(text: str) -> int:
     """Cheap estimate of the SmolLM2 token count of ``text``.
@@ -344,6 +350,9 @@ def _compose(label: str, rng: random.Random) -> tuple[str, int]:
     parts = (opener.replace("{signer}", signer), core, detail,
              closer.replace("{signer}", signer))
     text = " ".join(p for p in parts if p)
+    if rng.random() < 0.5:
+        for full, short in _CONTRACTIONS:
+            text = re.sub(rf"\b{full}\b", short, text)
     extra = 0
     if rng.random() < 0.08:
         text = _typo(text, rng)

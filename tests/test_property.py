@@ -1,0 +1,37 @@
+"""Property tests (hypothesis): for any prefix and suffix text, the cached label equals the full label."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefixcache.runner import Classifier, RunConfig, records_from_texts
+from prefixcache.task import Task
+from prefixcache.verify import compare
+
+# Text with the characters that stress BPE boundaries: spaces, punctuation, digits, accents, CJK, newlines.
+ALPHABET = st.sampled_from(list("abcdefghijklmnopqrstuvwxyz ABCXYZ0123456789.,:;!?'\"-_/\n\té日本"))
+texts = st.text(ALPHABET, min_size=0, max_size=40)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    instruction=st.text(ALPHABET, min_size=1, max_size=60).filter(lambda s: s.strip()),
+    lead=st.text(ALPHABET, max_size=12).map(lambda s: s.replace("{", "").replace("}", "")),
+    records=st.lists(texts, min_size=1, max_size=6),
+    batch=st.integers(min_value=1, max_value=7),
+)
+def test_cached_label_equals_full_label(tiny_llama, instruction, lead, records, batch):
+    task = Task(
+        name="prop",
+        instruction=instruction,
+        labels={"billing": "money", "technical": "bugs", "account": "access"},
+        input_template=lead + "{text}",
+    )
+    classifier = Classifier(tiny_llama, task, "first-token")
+    items = records_from_texts(records)
+    reference = classifier.classify_all(items, RunConfig("full", 1))
+    candidate = classifier.classify_all(items, RunConfig("batched", batch))
+    agreement = compare(reference, candidate)
+    assert agreement.ok, f"labels differ for ids {agreement.disagreeing_ids} (lead={lead!r})"
+    assert agreement.max_abs_logprob_diff < 1e-4
