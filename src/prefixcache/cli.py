@@ -33,7 +33,7 @@ app = typer.Typer(
     help="Run small language models on narrow automation jobs through a cached prompt prefix.",
 )
 err = Console(stderr=True)
-out = Console()
+out = Console(width=None if sys.stdout.isatty() else 120)
 
 DEFAULTS = RunConfig()
 
@@ -209,6 +209,54 @@ def demo(
 
     classifier = _setup("support-tickets", model, dtype, threads, "auto")
     run_demo(classifier, batch_size, subset, out_dir, out, err)
+
+
+@app.command()
+@boundary
+def bench(
+    task: str = typer.Option("tickets-compact", "--task", help="Task whose prefix is cached (default: ~145 tokens, 3 labels)."),
+    items: int = typer.Option(600, "--items", min=1, help="Number of synthetic tickets (20-35 tokens each)."),
+    model: str = ModelOpt,
+    model_config: Optional[str] = typer.Option(None, "--model-config", help="Architecture for --random-weights: qwen2.5-0.5b."),
+    random_weights: bool = typer.Option(False, "--random-weights", help="Random weights of --model-config (speed only)."),
+    dtype: str = DtypeOpt,
+    threads: Optional[int] = ThreadsOpt,
+    batch_size: int = BatchOpt,
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every figure as one JSON object."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write the mode comparison as a PNG chart."),
+    sweep: bool = typer.Option(False, "--sweep-prefix", help="Also time full vs batched at prefixes of ~150 to 2,000 tokens."),
+    sweep_plot: Optional[Path] = typer.Option(None, "--sweep-plot", help="PNG for the prefix sweep (default: next to --plot)."),
+    no_llama_cpp: bool = typer.Option(False, "--no-llama-cpp", help="Skip the llama.cpp lane."),
+):
+    """Time full, cached, batched (and llama.cpp) on the same records in one run; report ratios and % of peak."""
+    from .bench import BenchOptions, run_bench
+    from .demo import timing_table
+
+    if random_weights != bool(model_config):
+        raise typer.BadParameter("--random-weights and --model-config go together")
+    _quiet_transformers()
+    options = BenchOptions(
+        task=task, items=items, model=model, model_config=model_config, dtype=_choice(dtype, DTYPE_CHOICES, "--dtype"),
+        threads=threads, batch_size=batch_size, llama_cpp=not no_llama_cpp,
+        sweep_targets=(150, 300, 600, 1000, 1500, 2000) if sweep else (),
+    )
+    report, document = run_bench(options, log=lambda line: err.print(line, highlight=False))
+    title = f"{document['model']} | {document['items']} items | prefix {document['prefix_tokens']} tok | {document['threads']} threads"
+    out.print(timing_table(report.results, title))
+    if json_path:
+        json_path.write_text(json.dumps(document, indent=2))
+        err.print(f"wrote {json_path}")
+    if plot or sweep_plot:
+        from .plots import plot_modes, plot_sweep
+
+        if plot:
+            err.print(f"wrote {plot_modes(report.results, plot, title)}")
+        if "sweep" in document:
+            from .bench import SweepPoint
+
+            target = sweep_plot or (plot.with_name(plot.stem + "-sweep.png") if plot else Path("bench-sweep.png"))
+            points = [SweepPoint(p["prefix_tokens"], p["examples"], p["full_ms_per_item"], p["batched_ms_per_item"]) for p in document["sweep"]]
+            err.print(f"wrote {plot_sweep(points, target, 'per-item time vs prefix length: ' + document['model'])}")
 
 
 def main() -> None:  # pragma: no cover - entry point

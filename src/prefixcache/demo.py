@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
@@ -19,19 +18,21 @@ from .runner import Classifier, RunConfig, RunStats
 
 def timing_table(results: list[ModeResult], title: str) -> Table:
     table = Table(title=title)
-    for col in ("mode", "batch", "records", "seconds", "ms/record", "rec/s", "speedup vs full", "labels = full", "max |Δ log-prob|"):
+    for col in ("mode", "dtype", "B", "items", "s", "ms/item", "items/s", "x full", "agree", "max|Δlp|", "%peak"):
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(
             r.mode,
+            r.dtype,
             str(r.batch_size),
             str(r.records),
             f"{r.seconds:.2f}",
             f"{r.ms_per_item:.1f}",
             f"{r.items_per_s:.1f}",
             f"{r.speedup_vs_full:.2f}x",
-            f"{100 * r.label_agreement:.1f}%",
+            f"{100 * r.label_agreement:.1f}%",  # labels equal to the full lane's
             f"{r.max_abs_logprob_diff:.1e}",
+            f"{r.pct_of_peak:.0f}%" if r.pct_of_peak is not None else "-",
         )
     return table
 
@@ -69,7 +70,7 @@ def run_demo(classifier: Classifier, batch_size: int, subset: int, out_dir: Path
         "prefix_tokens": len(classifier.prompt.prefix_ids),
         "accuracy": accuracy,
         "records": len(predictions),
-        "timing": [asdict(r) | {"ms_per_item": r.ms_per_item, "items_per_s": r.items_per_s} for r in results],
+        "timing": [r.to_json() for r in results],
     }
     (folder / "summary.json").write_text(json.dumps(summary, indent=2))
     out.print(f"results written to [bold]{folder}[/] (predictions.jsonl, summary.json)")

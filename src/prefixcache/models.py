@@ -274,3 +274,45 @@ def build_random_model(config, dtype: torch.dtype = torch.float32, seed: int = 0
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+# Architectures for speed figures without their weights (labels from these mean nothing).
+MODEL_CONFIGS = {
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        use_sliding_window=False,
+    ),
+}
+
+
+def load_random_model(config_name: str, dtype: str = "auto", threads: int | None = None, tokenizer_from: str = DEFAULT_MODEL) -> LoadedModel:
+    """A named architecture with seeded random weights, paired with a real tokenizer (ids fit its vocabulary)."""
+    from transformers import AutoConfig
+
+    if config_name not in MODEL_CONFIGS:
+        raise ModelNotFoundError(f"unknown --model-config {config_name!r}; choose one of {', '.join(MODEL_CONFIGS)}")
+    set_threads(threads)
+    dev = resolve_device(None)
+    torch_dtype = resolve_dtype(dtype, dev)
+    params = dict(MODEL_CONFIGS[config_name])
+    config = AutoConfig.for_model(params.pop("model_type"), **params)
+    tokenizer = load_model_tokenizer(tokenizer_from)
+    model = build_random_model(config, dtype=torch_dtype).to(dev)
+    return LoadedModel(model, tokenizer, config_name, f"random:{config_name}", torch_dtype, dev)
+
+
+def load_model_tokenizer(spec: str):
+    from transformers import AutoTokenizer
+
+    source, _, _ = local_source(spec)
+    return AutoTokenizer.from_pretrained(source)

@@ -1,0 +1,67 @@
+"""Peers: other engines run side by side in ``prefixcache bench``.
+
+Only llama.cpp for now (``pip install 'prefixcache[bench]'``): the same
+``.gguf``, the same threads, the same prompt tokens, and its own prefix reuse
+(the KV cache is evaluated once for the prefix and truncated back to it before
+each record, which is how llama.cpp reuses a shared prompt prefix).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .bench import Lane
+from .models import EMBEDDED, embedded_gguf
+from .runner import Classifier, Prediction, Record, RunStats
+from .scoring import LabelScores
+
+
+def llama_cpp_lane(model_spec: str, classifier: Classifier, threads: int, log: Callable[[str], None]) -> Lane | None:
+    """A lane scoring first-token labels with llama-cpp-python, or None (with a one-line reason)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        log("llama.cpp: skipped (not installed; pip install 'prefixcache[bench]')")
+        return None
+    if model_spec in EMBEDDED:
+        gguf = embedded_gguf(model_spec)
+    elif model_spec.endswith(".gguf"):
+        gguf = Path(model_spec)
+    else:
+        log("llama.cpp: skipped (it needs a .gguf model)")
+        return None
+    prompt = classifier.prompt
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+    first = prompt.first_token_ids()
+    labels = tuple(prompt.label_ids)
+    prefix = list(prompt.prefix_ids)
+
+    def warm() -> None:
+        llm.reset()
+        llm.eval(prefix)  # the shared prefix, once, like our prefix build
+
+    def run(records: list[Record]) -> tuple[list[Prediction], RunStats]:
+        stats = RunStats()
+        texts = [prompt.suffix_text(r.fields, r.id) for r in records]
+        predictions = []
+        for record, encoded in zip(records, prompt.encode(classifier.loaded.tokenizer, texts)):
+            if encoded.suffix_ids is None:  # crosses the boundary: re-encode in full, like our runner
+                llm.reset()
+                rows = list(encoded.full_ids)
+            else:
+                llm.n_tokens = len(prefix)  # reuse the prefix; eval() drops everything after it
+                rows = list(encoded.suffix_ids)
+            llm.eval(rows)
+            logits = torch.from_numpy(llm.scores[llm.n_tokens - 1]).double()  # [V]
+            logprobs = torch.log_softmax(logits[first], dim=-1)
+            predictions.append(Prediction(record.id, LabelScores(labels, tuple(float(x) for x in logprobs))))
+            stats.tokens_computed += len(rows)
+            if encoded.suffix_ids is None:
+                llm.reset()
+                llm.eval(prefix)
+        return predictions, stats
+
+    return Lane("llama.cpp", "gguf", 1, run, warm=warm)

@@ -1,0 +1,55 @@
+"""Plots for benchmark results (matplotlib, headless). Each function writes one PNG and returns its path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from .bench import ModeResult, SweepPoint  # noqa: E402
+
+
+def plot_modes(results: Sequence[ModeResult], path: Path, title: str) -> Path:
+    """Bars of ms per item (log scale) with the speed-up over ``full`` written on each bar."""
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    names = [f"{r.mode}\n{r.dtype}, b={r.batch_size}" for r in results]
+    values = [r.ms_per_item for r in results]
+    colors = ["#999999" if r.mode == "full" else "#4c72b0" if r.mode != "llama.cpp" else "#dd8452" for r in results]
+    bars = ax.bar(names, values, color=colors)
+    for bar, r in zip(bars, results):
+        label = f"{r.ms_per_item:.1f} ms\n{r.speedup_vs_full:.1f}x"
+        if r.pct_of_peak is not None:
+            label += f"\n{r.pct_of_peak:.0f}% peak"
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per item (log scale, lower is better)")
+    ax.set_title(title, fontsize=10)
+    ax.margins(y=0.35)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_sweep(points: Sequence[SweepPoint], path: Path, title: str) -> Path:
+    """ms per item against prefix length, for full re-encoding and batched prefix caching."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    xs = [p.prefix_tokens for p in points]
+    ax.plot(xs, [p.full_ms_per_item for p in points], "o-", color="#999999", label="full re-encode")
+    ax.plot(xs, [p.batched_ms_per_item for p in points], "o-", color="#4c72b0", label="batched over cached prefix")
+    for p in points:
+        ax.annotate(f"{p.speedup:.0f}x", (p.prefix_tokens, p.batched_ms_per_item), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    ax.set_xlabel("prefix tokens (more few-shot examples →)")
+    ax.set_ylabel("ms per item")
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=10)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
