@@ -1,0 +1,99 @@
+"""bench: it runs on a tiny model, its JSON has every key, and agreement/ratios are computed correctly.
+
+No timed assertions: only structure and arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from prefixcache.bench import Lane, matmul_peak_gflops, nonembedding_params, run_lanes
+from prefixcache.cli import app
+from prefixcache.runner import Prediction, Record, RunStats
+from prefixcache.scoring import LabelScores
+from prefixcache.verify import compare
+
+from conftest import tiny_loaded
+
+MODE_KEYS = {"mode", "ms_per_item", "items_per_s", "speedup_vs_full", "label_agreement", "max_abs_logprob_diff", "pct_of_peak"}
+TOP_KEYS = {"dtype", "threads", "peak_gflops", "prefix_tokens", "mean_suffix_tokens", "modes"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-bench-model")
+    loaded = tiny_loaded("llama")
+    loaded.model.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_bench_runs_on_tiny_model_and_json_has_every_key(model_dir, tmp_path):
+    out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = CliRunner().invoke(
+        app,
+        ["bench", "--items", "8", "--model", model_dir, "--batch-size", "4", "--json", str(out), "--plot", str(plot)],
+        catch_exceptions=False,
+    )
+    assert result.exit_code == 0, result.output
+    document = json.loads(out.read_text())
+    assert TOP_KEYS <= set(document), f"missing {TOP_KEYS - set(document)}"
+    names = [m["mode"] for m in document["modes"]]
+    assert names[:3] == ["full", "cached", "batched"]
+    for mode in document["modes"]:
+        assert MODE_KEYS <= set(mode), f"{mode['mode']} lacks {MODE_KEYS - set(mode)}"
+    first = document["modes"][0]
+    assert first["speedup_vs_full"] == pytest.approx(1.0)
+    assert first["label_agreement"] == 1.0 and first["max_abs_logprob_diff"] == 0.0
+    float32_lanes = [m for m in document["modes"] if m["dtype"] == "float32"]
+    assert all(m["label_agreement"] == 1.0 for m in float32_lanes), "float32 lanes must agree with full"
+    assert document["peak_gflops"] > 0
+    assert document["mean_suffix_tokens"] > 0
+    assert plot.stat().st_size > 10_000, "the plot should be a real PNG"
+    assert "llama.cpp" in result.output  # either a lane or its one-line skip message
+
+
+def _pred(i, logprobs):
+    return Prediction(i, LabelScores(("a", "b"), logprobs))
+
+
+def test_agreement_counts_disagreements_and_max_drift():
+    reference = [_pred(0, (-0.1, -2.0)), _pred(1, (-2.0, -0.1)), _pred(2, (-0.5, -0.9))]
+    candidate = [_pred(0, (-0.1, -2.0)), _pred(1, (-0.1, -2.0)), _pred(2, (-0.5, -0.95))]
+    agreement = compare(reference, candidate)
+    assert agreement.records == 3 and agreement.agree == 2
+    assert agreement.disagreeing_ids == [1]
+    assert agreement.max_abs_logprob_diff == pytest.approx(1.9)
+    assert agreement.rate == pytest.approx(2 / 3)
+
+
+def test_run_lanes_ratios_and_near_ties():
+    records = [Record(i, {"text": "x"}) for i in range(4)]
+
+    def lane(name, logprobs, tokens):
+        def run(recs):
+            stats = RunStats(tokens_computed=tokens)
+            return [_pred(r.id, logprobs) for r in recs], stats
+
+        return Lane(name, "float32", 1, run, gflop_per_token=1.0)
+
+    report = run_lanes([lane("full", (-0.1, -2.0), 100), lane("tie", (-0.6931, -0.6932), 10)], records, {"float32": 1e9})
+    full, tie = report.results
+    assert full.speedup_vs_full == pytest.approx(1.0)
+    assert tie.label_agreement == 1.0 and tie.near_ties == 4 and full.near_ties == 0
+    assert tie.gflop == pytest.approx(10.0) and full.gflop == pytest.approx(100.0)
+    assert tie.pct_of_peak is not None and tie.pct_of_peak > 0
+
+
+def test_nonembedding_params_excludes_tied_embedding():
+    model = tiny_loaded("qwen2").model
+    total = sum(p.numel() for p in model.parameters())
+    assert nonembedding_params(model) == total - model.get_input_embeddings().weight.numel()
+
+
+def test_matmul_peak_is_positive():
+    assert matmul_peak_gflops(torch.float32, sizes=(128,), seconds=0.05) > 0
