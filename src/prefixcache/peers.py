@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .bench import Lane
@@ -35,6 +36,7 @@ def llama_cpp_lane(model_spec: str, classifier: Classifier, threads: int, log: C
         return None
     prompt = classifier.prompt
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+    vocab = llm.n_vocab()
     first = prompt.first_token_ids()
     labels = tuple(prompt.label_ids)
     prefix = list(prompt.prefix_ids)
@@ -55,7 +57,7 @@ def llama_cpp_lane(model_spec: str, classifier: Classifier, threads: int, log: C
                 llm.n_tokens = len(prefix)  # reuse the prefix; eval() drops everything after it
                 rows = list(encoded.suffix_ids)
             llm.eval(rows)
-            logits = torch.from_numpy(llm.scores[llm.n_tokens - 1]).double()  # [V]
+            logits = torch.from_numpy(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,)).copy()).double()  # [V], last token
             logprobs = torch.log_softmax(logits[first], dim=-1)
             predictions.append(Prediction(record.id, LabelScores(labels, tuple(float(x) for x in logprobs))))
             stats.tokens_computed += len(rows)
