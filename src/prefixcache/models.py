@@ -20,6 +20,7 @@ import hashlib
 import importlib.metadata
 import logging
 import os
+import shutil
 import socket
 import sys
 import time
@@ -143,8 +144,28 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
+def _known_sha256(path: Path) -> str:
+    """SHA-256 of ``path``, remembered per (path, size, mtime) so a restart does not re-read the file."""
+    import json
+
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    index_path = cache_home() / "models" / "sha256-index.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if key not in index:
+        index[key] = file_sha256(path)
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        staging = index_path.with_name(index_path.name + f".tmp{os.getpid()}")
+        staging.write_text(json.dumps(index, indent=1))
+        staging.replace(index_path)
+    return index[key]
+
+
 def _converted_dir(gguf: Path) -> tuple[Path, str]:
-    sha = file_sha256(gguf)
+    sha = _known_sha256(gguf)
     return cache_home() / "models" / f"{gguf.stem}-{sha[:16]}", sha
 
 
@@ -169,7 +190,10 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     save_model(model, str(staging / "model.safetensors"))
-    staging.replace(target) if not target.exists() else None
+    if target.exists():  # another process finished the same conversion first
+        shutil.rmtree(staging)
+    else:
+        staging.replace(target)
     log.info("converted %s in %.1f s", gguf.name, time.perf_counter() - started)
 
 
