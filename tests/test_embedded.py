@@ -41,13 +41,23 @@ def tickets():
     return ordered[:4] + ordered[-4:] + records[:4]
 
 
-@pytest.mark.parametrize("batch", [1, 2, 7])
-def test_embedded_cached_equals_full(smol, tickets, batch):
+@pytest.fixture(scope="module")
+def tickets_classifier(smol):
     from prefixcache.task import load_task
 
-    classifier = Classifier(smol, load_task("support-tickets"))
+    return Classifier(smol, load_task("support-tickets"))
+
+
+@pytest.fixture(scope="module")
+def reference(tickets_classifier, tickets):
+    """Full re-encoding of the test tickets, computed once for every batch size."""
+    return tickets_classifier.classify_all(tickets, RunConfig("full", 1))
+
+
+@pytest.mark.parametrize("batch", [1, 2, 7])
+def test_embedded_cached_equals_full(tickets_classifier, reference, tickets, batch):
+    classifier = tickets_classifier
     assert classifier.prompt.heal >= 1, "'Ticket: ' ends with a space, so the bundled task must be healed"
-    reference = classifier.classify_all(tickets, RunConfig("full", 1))
     candidate = classifier.classify_all(tickets, RunConfig("cached" if batch == 1 else "batched", batch))
     agreement = compare(reference, candidate)
     assert agreement.ok, f"labels differ on {agreement.disagreeing_ids}"
