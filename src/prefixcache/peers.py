@@ -20,6 +20,27 @@ from .runner import Classifier, Prediction, Record, RunStats
 from .scoring import LabelScores
 
 
+_PROBE = """
+import sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, n_threads=int(sys.argv[2]), verbose=False)
+llm.eval(llm.tokenize(b"Hello there, how are you today?", add_bos=False))
+"""
+
+
+def _probe(gguf: Path, threads: int) -> str | None:
+    """Run a multi-token decode in a child process; a build that crashes on this CPU must not take the bench down."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, str(gguf), str(threads)], capture_output=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "a 7-token probe decode did not finish in 120 s"
+    if done.returncode != 0:
+        return f"its decode crashed in a probe on this CPU (exit {done.returncode}); rebuild llama-cpp-python for this CPU"
+    return None
+
+
 def llama_cpp_lane(model_spec: str, classifier: Classifier, threads: int, log: Callable[[str], None]) -> Lane | None:
     """A lane scoring first-token labels with llama-cpp-python, or None (with a one-line reason)."""
     try:
@@ -33,6 +54,10 @@ def llama_cpp_lane(model_spec: str, classifier: Classifier, threads: int, log: C
         gguf = Path(model_spec)
     else:
         log("llama.cpp: skipped (it needs a .gguf model)")
+        return None
+    problem = _probe(gguf, threads)
+    if problem:
+        log(f"llama.cpp: skipped ({problem})")
         return None
     prompt = classifier.prompt
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
