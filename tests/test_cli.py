@@ -121,7 +121,7 @@ def test_invalid_task_file_is_a_clean_error(model_dir, tmp_path, jsonl):
 def test_broken_jsonl_names_the_line(model_dir, task_file, tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_text('{"text": "ok"}\n{"text": oops}\n')
-    result = _invoke("classify", str(path), "--task", task_file, "--model", model_dir)
+    result = _invoke("classify", str(path), "--task", task_file, "--model", model_dir, "--on-error", "fail")
     assert result.exit_code == 2
     assert "in.jsonl:2" in result.output
 

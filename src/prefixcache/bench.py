@@ -295,9 +295,17 @@ def build_lanes(options: BenchOptions, log: Callable[[str], None]) -> tuple[list
 
 
 def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> tuple[BenchReport, dict]:
-    """Run every lane on the workload and return the report plus the JSON document."""
+    """Run every lane on the workload and return the report plus the JSON document.
+
+    An extraction task (``kind: extract``) runs :func:`prefixcache.extract.run_extract_bench` instead.
+    """
+    from .task import ExtractTask, load_any_task
     from .workload import ticket_records
 
+    if isinstance(load_any_task(options.task), ExtractTask):
+        from .extract import run_extract_bench
+
+        return run_extract_bench(options, log)
     lanes, meta, base = build_lanes(options, log)
     records = ticket_records(options.items)
     dtypes = sorted({lane.dtype for lane in lanes if lane.dtype in ("float32", "bfloat16", "float16")})

@@ -23,7 +23,9 @@ from tqdm import tqdm
 from . import data
 from .errors import PrefixCacheError
 from .models import DEFAULT_MODEL, DTYPE_CHOICES, EMBEDDED, load_model
+from .pool import POLICIES, PoolConfig
 from .prompt import METHODS
+from .quant import STORAGES
 from .runner import MODES, Classifier, RunConfig, RunStats
 from .task import bundled_task_names, load_task
 
@@ -67,13 +69,13 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _setup(task: str, model: str, dtype: str, threads: Optional[int], method: str) -> Classifier:
+def _setup(task: str, model: str, dtype: str, threads: Optional[int], method: str, pool=None) -> Classifier:
     _quiet_transformers()
     spec = load_task(task)
     started = time.perf_counter()
     loaded = load_model(model, _choice(dtype, DTYPE_CHOICES, "--dtype"), threads)
     err.print(f"model {loaded.identity} ({str(loaded.dtype).removeprefix('torch.')}) loaded in {time.perf_counter() - started:.1f} s")
-    return Classifier(loaded, spec, _choice(method, METHODS, "--method"))
+    return Classifier(loaded, spec, _choice(method, METHODS, "--method"), pool=pool)
 
 
 TaskOpt = typer.Option("support-tickets", "--task", help="A bundled task name or a path to a task YAML.")
@@ -85,6 +87,11 @@ ModeOpt = typer.Option(DEFAULTS.mode, "--mode", help=f"One of {', '.join(MODES)}
 BatchOpt = typer.Option(DEFAULTS.batch_size, "--batch-size", min=1, help="Records per forward pass (batched mode).")
 TextFieldOpt = typer.Option("text", "--text-field", help="Field holding the record's text.")
 IdFieldOpt = typer.Option(None, "--id-field", help="Field holding the record id (default: 0-based row number).")
+POOL_DEFAULTS = PoolConfig()
+CacheBudgetOpt = typer.Option(None, "--cache-budget", help="Prefix pool byte budget such as 256MB (setting any cache option makes a pool; default 256MB).")
+CacheDirOpt = typer.Option(None, "--cache-dir", help="Disk tier: prefixes are loaded from and saved to this folder.")
+KVStorageOpt = typer.Option(POOL_DEFAULTS.storage, "--kv-storage", help=f"How the pool stores prefixes: {', '.join(STORAGES)}.")
+EvictionOpt = typer.Option(POOL_DEFAULTS.eviction, "--eviction", help=f"Pool eviction policy: {', '.join(POLICIES)}.")
 
 
 def _progress(total: Optional[int], desc: str):
@@ -106,22 +113,47 @@ def classify(
     out_path: Optional[Path] = typer.Option(None, "--out", help="Output JSONL (default: stdout)."),
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
+    cache_budget: Optional[str] = CacheBudgetOpt,
+    cache_dir: Optional[Path] = CacheDirOpt,
+    kv_storage: str = KVStorageOpt,
+    eviction: str = EvictionOpt,
+    on_error: str = typer.Option("skip", "--on-error", help="A failed record: skip (error line, go on) or fail (stop there)."),
+    overflow: str = typer.Option("error", "--overflow", help="A record past the model's context: error, or truncate (flagged)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the job in --out: keep its complete lines, run the rest."),
+    window: int = typer.Option(DEFAULTS.window, "--window", min=1, help="Records length-sorted and written together; "
+                               "with --out, the unit that is flushed and fsynced (a kill loses at most one)."),
 ):
-    """Classify every record; write one JSON line per record: id, label, scores, margin."""
-    config = RunConfig(_choice(mode, MODES, "--mode"), batch_size)
-    classifier = _setup(task, model, dtype, threads, method)
-    records = list(data.read_records(input, text_field, id_field))
+    """Classify every record; write one JSON line per record: id, label, scores, margin (or error).
+
+    Exit code 0: all classified; 1: some record failed (its line has "error"); 2: stopped (bad usage, an
+    unreadable file, or --on-error fail). With --out --resume a killed job continues where it stopped.
+    """
+    from .fit import OVERFLOW
+    from .resume import ON_ERROR, Recovered, check_matches, recover, write_predictions
+
+    if resume and out_path is None:
+        raise typer.BadParameter("--resume needs --out: the output file is what it resumes")
+    config = RunConfig(_choice(mode, MODES, "--mode"), batch_size, window, _choice(overflow, OVERFLOW, "--overflow"))
+    policy = _choice(on_error, ON_ERROR, "--on-error")
+    records = list(data.scan_records(input, text_field, id_field))
+    done = recover(out_path) if resume else Recovered()
+    check_matches(done, records, out_path)
+    classifier = _setup(task, model, dtype, threads, method, _pool(cache_budget, cache_dir, kv_storage, eviction))
     stats = RunStats()
-    with (open(out_path, "w", encoding="utf-8") if out_path else nullcontext(sys.stdout)) as sink:
+    with (open(out_path, "a" if resume else "w", encoding="utf-8") if out_path else nullcontext(sys.stdout)) as sink:
         with _progress(len(records), f"classify [{config.mode}]") as bar:
-            for _ in data.write_jsonl(classifier.classify(records, config, progress=bar.update, stats=stats), sink):
-                pass
+            bar.update(done.lines)
+            predictions = classifier.classify(records[done.lines:], config, progress=bar.update, stats=stats)
+            written = write_predictions(predictions, sink, policy, sync_every=config.window if out_path else None)
     err.print(
         f"{stats.records} records in {stats.seconds:.1f} s ({stats.records / max(stats.seconds, 1e-9):.1f} rec/s), "
-        f"{stats.errors} errors, {stats.boundary_fallbacks} boundary fallbacks"
+        f"{written.failed} errors, {written.flagged} flagged, {stats.boundary_fallbacks} boundary fallbacks"
+        + (f"; resumed after {done.lines} lines ({done.failed} errors)" if resume else "")
+        + (f", cut a torn last line of {done.cut_bytes} bytes" if done.cut_bytes else "")
         + (f"; wrote {out_path}" if out_path else "")
     )
-    if stats.errors:
+    _report_pool(classifier.pool)
+    if done.failed + written.failed:
         raise typer.Exit(1)
 
 
@@ -139,12 +171,19 @@ def verify(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
+    cache_budget: Optional[str] = CacheBudgetOpt,
+    cache_dir: Optional[Path] = CacheDirOpt,
+    kv_storage: str = KVStorageOpt,
+    eviction: str = EvictionOpt,
 ):
-    """Run full re-encoding and a cached mode on every record; exit 1 if any label differs."""
+    """Run full re-encoding and a cached mode on every record; exit 1 if any label (or extracted output) differs."""
     from .verify import verify as run_verify
 
     config = RunConfig(_choice(mode, ("cached", "batched"), "--mode"), batch_size)
-    classifier = _setup(task, model, dtype, threads, method)
+    pool = _pool(cache_budget, cache_dir, kv_storage, eviction)
+    if _is_extract(task):
+        return _verify_extract(input, task, model, config, text_field, id_field, as_json, dtype, threads, pool)
+    classifier = _setup(task, model, dtype, threads, method, pool)
     records = list(data.read_records(input, text_field, id_field))
     with _progress(2 * len(records), f"verify [full + {config.mode}]") as bar:
         result = run_verify(classifier, records, config, progress=bar.update)
@@ -163,6 +202,7 @@ def verify(
             ", ".join(map(str, agreement.disagreeing_ids[:20])) or "none",
         )
         out.print(table)
+    _report_storage(classifier, records, config)
     if not agreement.ok:
         raise typer.Exit(1)
 
@@ -257,6 +297,281 @@ def bench(
             target = sweep_plot or (plot.with_name(plot.stem + "-sweep.png") if plot else Path("bench-sweep.png"))
             points = [SweepPoint(p["prefix_tokens"], p["examples"], p["full_ms_per_item"], p["batched_ms_per_item"]) for p in document["sweep"]]
             err.print(f"wrote {plot_sweep(points, target, 'per-item time vs prefix length: ' + document['model'])}")
+
+
+@app.command("eval")
+@boundary
+def eval_(
+    input: str = typer.Argument(..., help="Labelled input .csv, .jsonl, .parquet, or - for JSONL on stdin."),
+    task: str = TaskOpt,
+    label_field: str = typer.Option("label", "--label-field", help="Field holding each record's gold label."),
+    model: str = ModelOpt,
+    batch_size: int = BatchOpt,
+    method: str = MethodOpt,
+    text_field: str = TextFieldOpt,
+    id_field: Optional[str] = IdFieldOpt,
+    calibrate: bool = typer.Option(False, "--calibrate", help="Also report contextual calibration, in the same run."),
+    content_free: Optional[list[str]] = typer.Option(
+        None,
+        "--content-free",
+        help="A content-free input for calibration (repeatable; implies --calibrate; default: 'N/A', '', '[MASK]').",
+    ),
+    sweep_examples: Optional[str] = typer.Option(
+        None,
+        "--sweep-examples",
+        help="Example counts such as 0,3,6,12,24: one run each, drawn from examples + example_pool.",
+    ),
+    seed: Optional[int] = typer.Option(
+        None, "--seed", help="Seed of the sweep's example order (default: the task's select.seed, else 0)."
+    ),
+    plot: Optional[Path] = typer.Option(
+        None, "--plot", help="PNG: the confusion matrix, or accuracy and ms/item per sweep step."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    dtype: str = DtypeOpt,
+    threads: Optional[int] = ThreadsOpt,
+):
+    """Score a task against gold labels: accuracy, macro-F1, per-label precision/recall, confusion matrix."""
+    from .calibration import CONTENT_FREE
+    from .eval_report import check_plotting, emit
+    from .evaluate import parse_steps, plan_eval, run_eval
+
+    if plot:
+        check_plotting()
+    steps = parse_steps(sweep_examples) if sweep_examples is not None else None
+    plan = plan_eval(load_task(task), data.read_records(input, text_field, id_field), label_field, steps, seed)
+    classifier = _setup(task, model, dtype, threads, method)
+    neutral = tuple(content_free) if content_free else CONTENT_FREE if calibrate else None
+
+    def progress(r):
+        err.print(
+            f"{r.examples} examples, prefix {r.prefix_tokens} tokens: "
+            f"accuracy {r.metrics.accuracy:.1%}, {r.ms_per_item:.2f} ms/item"
+        )
+
+    results = run_eval(classifier.loaded, plan, batch_size, method, neutral, on_result=progress)
+    emit(results, plan.sweep, as_json, plot, out, err)
+
+
+@app.command()
+@boundary
+def serve(
+    task: list[str] = typer.Option(["support-tickets"], "--task", help="A bundled task name or a YAML path; repeat for more."),
+    model: str = ModelOpt,
+    dtype: str = DtypeOpt,
+    threads: Optional[int] = ThreadsOpt,
+    method: str = MethodOpt,
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on (loopback by default)."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="Port (0 picks a free one)."),
+    max_batch: int = typer.Option(32, "--max-batch", min=1, help="Most items merged into one forward pass."),
+    max_wait_ms: float = typer.Option(5.0, "--max-wait-ms", min=0, help="Longest an item waits for companions."),
+    max_queue: int = typer.Option(1024, "--max-queue", min=1, help="Most items in progress at once (all requests); more gets 429."),
+    max_items: int = typer.Option(256, "--max-items", min=1, help="Most items per request (422 above)."),
+    max_item_tokens: int = typer.Option(512, "--max-item-tokens", min=1, help="Most tokens per item (422 above)."),
+    max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", min=1, help="Largest request body (413 above)."),
+    max_prefix_tokens: int = typer.Option(8192, "--max-prefix-tokens", min=1, help="Largest prefix of an uploaded task."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run a model repository's own code (only for models you trust)."),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+):
+    """Serve tasks over HTTP with micro-batching (FastAPI on uvicorn). Set PREFIXCACHE_API_KEY to require a key.
+
+    Needs the 'serve' extra: pip install 'prefixcache[serve]'.
+    """
+    from .server import ServerSettings, run_server
+
+    settings = ServerSettings.from_env(
+        host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue, max_items=max_items,
+        max_item_tokens=max_item_tokens, max_body_bytes=max_body_bytes, max_prefix_tokens=max_prefix_tokens,
+        method=_choice(method, METHODS, "--method"),
+    )
+    specs = [load_task(name) for name in task]
+    _quiet_transformers()
+    started = time.perf_counter()
+    loaded = load_model(model, _choice(dtype, DTYPE_CHOICES, "--dtype"), threads, trust_remote_code=trust_remote_code)
+    err.print(f"model {loaded.identity} ({str(loaded.dtype).removeprefix('torch.')}) loaded in {time.perf_counter() - started:.1f} s")
+    run_server(loaded, specs, settings, log_level)
+
+
+# --- the prefix pool, its disk tier, and extraction tasks -------------------------------------
+
+
+def _pool(cache_budget: Optional[str], cache_dir: Optional[Path], kv_storage: str, eviction: str):
+    """A PrefixPool when any cache option is set, else None (then a classifier keeps its own prefix)."""
+    from .pool import PrefixPool, parse_bytes
+    from .store import DiskStore
+
+    storage = _choice(kv_storage, STORAGES, "--kv-storage")
+    policy = _choice(eviction, POLICIES, "--eviction")
+    if cache_budget is None and cache_dir is None and (storage, policy) == (POOL_DEFAULTS.storage, POOL_DEFAULTS.eviction):
+        return None
+    try:
+        budget = parse_bytes(cache_budget) if cache_budget else POOL_DEFAULTS.budget_bytes
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--cache-budget") from None
+    return PrefixPool(PoolConfig(budget, policy, storage), DiskStore(cache_dir) if cache_dir else None)
+
+
+def _report_pool(pool) -> None:
+    """One stderr line of pool figures (nothing without a pool)."""
+    from .pool import format_bytes
+
+    if pool is None:
+        return
+    s = pool.stats()
+    saved = f", {s.storage} storage saves {format_bytes(s.bytes_saved)} against float" if s.bytes_saved else ""
+    err.print(
+        f"prefix pool: {s.hits} hits, {s.misses} misses ({s.disk_loads} loaded from disk, {s.partial_reuses} extended, "
+        f"{s.disk_rejected} disk files rejected), {s.evictions} evictions, {format_bytes(s.bytes_held)} held of "
+        f"{format_bytes(s.budget_bytes)}{saved}; {s.prefill_tokens_saved} prefill tokens saved",
+        highlight=False,
+    )
+
+
+def _report_storage(classifier, records, config) -> None:
+    """With a quantized pool: label agreement against float storage and memory saved, on stderr."""
+    from .pool import format_bytes
+    from .quant import storage_agreement
+
+    if classifier.pool is None or classifier.pool.config.storage == "float":
+        return
+    result = storage_agreement(classifier, records, config)
+    err.print(
+        f"{result.storage} storage vs float storage: labels agree on {result.agree}/{result.records} "
+        f"({100 * result.rate:.2f}%), max |Δ log-prob| {result.max_abs_logprob_diff:.2e}; the prefix takes "
+        f"{format_bytes(result.stored_bytes)} instead of {format_bytes(result.float_bytes)} ({100 * result.saved_fraction:.0f}% saved)",
+        highlight=False,
+    )
+
+
+def _is_extract(task: str) -> bool:
+    from .task import ExtractTask, load_any_task
+
+    return isinstance(load_any_task(task), ExtractTask)
+
+
+def _setup_extractor(task: str, model: str, dtype: str, threads: Optional[int], pool, max_new_tokens: Optional[int] = None):
+    from .extract import Extractor
+    from .task import ExtractTask, load_any_task
+
+    spec = load_any_task(task)
+    if not isinstance(spec, ExtractTask):
+        raise typer.BadParameter(f"task {spec.name!r} is a classification task; run it with `prefixcache classify`", param_hint="--task")
+    _quiet_transformers()
+    started = time.perf_counter()
+    loaded = load_model(model, _choice(dtype, DTYPE_CHOICES, "--dtype"), threads)
+    err.print(f"model {loaded.identity} ({str(loaded.dtype).removeprefix('torch.')}) loaded in {time.perf_counter() - started:.1f} s")
+    return Extractor(loaded, spec, pool=pool, max_new_tokens=max_new_tokens)
+
+
+def _verify_extract(input, task, model, config, text_field, id_field, as_json, dtype, threads, pool) -> None:
+    """``verify`` for an extraction task: uncached vs cached generation must be identical, token for token."""
+    from .extract import verify_extract
+
+    extractor = _setup_extractor(task, model, dtype, threads, pool)
+    records = list(data.read_records(input, text_field, id_field))
+    with _progress(2 * len(records), f"verify extract [full + {config.mode}]") as bar:
+        agreement, _, _ = verify_extract(extractor, records, config, progress=bar.update)
+    if as_json:
+        print(json.dumps(agreement.to_json()))
+    else:
+        table = Table(title=f"verify extract: uncached vs {config.mode} ({extractor.loaded.dtype})")
+        for col in ("records", "identical", "identical %", "same fields", "differing ids"):
+            table.add_column(col)
+        table.add_row(
+            str(agreement.records), str(agreement.identical), f"{100 * agreement.rate:.2f}%", str(agreement.same_fields),
+            ", ".join(map(str, agreement.differing_ids[:20])) or "none",
+        )
+        out.print(table)
+    _report_pool(pool)
+    if not agreement.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+@boundary
+def extract(
+    input: str = typer.Argument(..., help="Input .csv, .jsonl, .parquet, or - for JSONL on stdin."),
+    task: str = typer.Option("ticket-fields", "--task", help="A bundled extraction task or a path to a task YAML (kind: extract)."),
+    model: str = ModelOpt,
+    mode: str = ModeOpt,
+    batch_size: int = BatchOpt,
+    text_field: str = TextFieldOpt,
+    id_field: Optional[str] = IdFieldOpt,
+    out_path: Optional[Path] = typer.Option(None, "--out", help="Output JSONL (default: stdout)."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, help="Override the task's max_new_tokens."),
+    dtype: str = DtypeOpt,
+    threads: Optional[int] = ThreadsOpt,
+    cache_budget: Optional[str] = CacheBudgetOpt,
+    cache_dir: Optional[Path] = CacheDirOpt,
+    kv_storage: str = KVStorageOpt,
+    eviction: str = EvictionOpt,
+):
+    """Extract the task's fields from every record by greedy generation after the cached prefix.
+
+    Writes one JSON line per record: id, fields, raw (the generated text), error (a parse failure names
+    what is wrong). Exit code 1 when any record has an error.
+    """
+    from .extract import ExtractStats
+
+    config = RunConfig(_choice(mode, MODES, "--mode"), batch_size)
+    pool = _pool(cache_budget, cache_dir, kv_storage, eviction)
+    extractor = _setup_extractor(task, model, dtype, threads, pool, max_new_tokens)
+    records = list(data.read_records(input, text_field, id_field))
+    stats = ExtractStats()
+    with (open(out_path, "w", encoding="utf-8") if out_path else nullcontext(sys.stdout)) as sink:
+        with _progress(len(records), f"extract [{config.mode}]") as bar:
+            for extraction in extractor.extract(records, config, progress=bar.update, stats=stats):
+                sink.write(json.dumps(extraction.to_json(), ensure_ascii=False) + "\n")
+                sink.flush()
+    err.print(
+        f"{stats.records} records in {stats.seconds:.1f} s, {stats.tokens_generated} tokens generated "
+        f"({stats.tokens_generated / max(stats.seconds, 1e-9):.1f} tokens/s), {stats.errors} errors "
+        f"({stats.parse_errors} unparsable outputs)" + (f"; wrote {out_path}" if out_path else ""),
+        highlight=False,
+    )
+    _report_pool(pool)
+    if stats.errors:
+        raise typer.Exit(1)
+
+
+cache_app = typer.Typer(no_args_is_help=True, help="The prefix pool's disk tier (--cache-dir): list or clear stored prefixes.")
+app.add_typer(cache_app, name="cache")
+CacheDirArg = typer.Option(..., "--cache-dir", help="The folder given to --cache-dir.")
+
+
+@cache_app.command("ls")
+@boundary
+def cache_ls(cache_dir: Path = CacheDirArg, as_json: bool = typer.Option(False, "--json", help="One JSON object per line.")):
+    """List stored prefixes with their manifests (headers only; data is not read)."""
+    from .pool import format_bytes
+    from .store import DiskStore
+
+    files = DiskStore(cache_dir, create=False).files()
+    if as_json:
+        for f in files:
+            print(json.dumps({"file": f.path.name, "bytes": f.size, "manifest": f.manifest and f.manifest.to_metadata(), "problem": f.problem}))
+        return
+    table = Table(title=f"{cache_dir}: {len(files)} stored prefixes, {format_bytes(sum(f.size for f in files))}")
+    for col in ("file", "task", "model", "dtype", "storage", "tokens", "size", "created"):
+        table.add_column(col)
+    for f in files:
+        m = f.manifest
+        if m is None:
+            table.add_row(f.path.name, f"[red]{f.problem}[/]", "", "", "", "", format_bytes(f.size), "")
+        else:
+            table.add_row(f.path.name[:16], m.name, m.model, m.dtype, m.storage, m.tokens, format_bytes(f.size), m.created)
+    out.print(table)
+
+
+@cache_app.command("clear")
+@boundary
+def cache_clear(cache_dir: Path = CacheDirArg):
+    """Delete every stored prefix in the folder (other files are left alone)."""
+    from .pool import format_bytes
+    from .store import DiskStore
+
+    cleared = DiskStore(cache_dir, create=False).clear()
+    err.print(f"removed {cleared.files} stored prefixes ({format_bytes(cleared.bytes)}) from {cache_dir}")
 
 
 def main() -> None:  # pragma: no cover - entry point

@@ -34,3 +34,11 @@ class InputError(PrefixCacheError):
 
 class VerificationError(PrefixCacheError):
     """The cached path disagreed with full re-encoding."""
+
+
+class PoolBudgetError(PrefixCacheError):
+    """A prefix cannot fit in the prefix pool's byte budget (alone, or beside the pinned prefixes)."""
+
+
+class CacheStoreError(PrefixCacheError):
+    """The on-disk prefix store cannot be used (for example its folder is a file or not writable)."""

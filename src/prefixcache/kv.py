@@ -19,7 +19,7 @@ This module knows nothing about tasks, labels or tokenizers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
@@ -36,9 +36,9 @@ class PrefixKV:
         keys, values: one tensor per layer, each ``[1, kv_heads, P, head_dim]``.
     """
 
-    token_ids: tuple[int, ...]
-    keys: tuple[torch.Tensor, ...]
-    values: tuple[torch.Tensor, ...]
+    token_ids: tuple[int, ...] = field(repr=False)
+    keys: tuple[torch.Tensor, ...] = field(repr=False)
+    values: tuple[torch.Tensor, ...] = field(repr=False)
 
     @property
     def length(self) -> int:
@@ -77,6 +77,94 @@ class PrefixKV:
     def checksum(self) -> float:
         """A cheap fingerprint of the stored tensors (used by tests to prove nothing mutated them)."""
         return float(sum(t.double().sum() for t in (*self.keys, *self.values)))
+
+    def head(self, length: int) -> PrefixKV:
+        """The first ``length`` tokens as *views* of this prefix (no copy; exact, since attention is causal).
+
+        A view keeps the whole of this prefix's storage alive; call :meth:`copy` to own only the head.
+
+        Raises:
+            ValueError: ``length`` is not in ``0..self.length``.
+        """
+        if not 0 <= length <= self.length:
+            raise ValueError(f"head({length}) of a {self.length}-token prefix")
+        return PrefixKV(
+            self.token_ids[:length],
+            tuple(k[..., :length, :] for k in self.keys),  # each [1, kv_heads, length, head_dim]
+            tuple(v[..., :length, :] for v in self.values),
+        )
+
+    def copy(self) -> PrefixKV:
+        """A prefix with the same tokens whose tensors are fresh, contiguous copies (owns its memory)."""
+        return PrefixKV(
+            self.token_ids,
+            tuple(k.clone(memory_format=torch.contiguous_format) for k in self.keys),
+            tuple(v.clone(memory_format=torch.contiguous_format) for v in self.values),
+        )
+
+    @torch.inference_mode()
+    def extend(self, model: torch.nn.Module, tail_ids: list[int] | tuple[int, ...]) -> PrefixKV:
+        """A new read-only prefix ``self.token_ids + tail_ids``, computing only the tail.
+
+        The tail runs through the decoder over a :meth:`fork` of this prefix (positions
+        ``P .. P+T-1``), then the stored and the new keys/values are concatenated into fresh
+        tensors. This prefix is not modified, and the result shares no storage with it.
+
+        Raises:
+            PromptError: the model uses sliding-window / non-attention layers.
+            ValueError: ``tail_ids`` is empty (use :meth:`copy`).
+        """
+        if not tail_ids:
+            raise ValueError("extend() needs at least one tail token; use copy()")
+        if self.length == 0:
+            return PrefixKV.build(model, tail_ids)
+        _require_full_attention(model.config)
+        device = self.keys[0].device
+        ids = torch.tensor([list(tail_ids)], device=device)  # [1, T]
+        positions = torch.arange(self.length, self.length + ids.shape[1], device=device)[None, :]  # [1, T]
+        cache = self.fork(1)
+        model.base_model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+        keys = tuple(torch.cat([layer.prefix_keys, layer.keys], dim=-2) for layer in cache.layers)  # [1, kv, P+T, d]
+        values = tuple(torch.cat([layer.prefix_values, layer.values], dim=-2) for layer in cache.layers)
+        return PrefixKV(self.token_ids + tuple(int(t) for t in tail_ids), keys, values)
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """Named contiguous tensors for serialization: ``token_ids`` [P], ``k.{i}``/``v.{i}`` per layer."""
+        out = {"token_ids": torch.tensor(self.token_ids, dtype=torch.int64)}
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            out[f"k.{i}"], out[f"v.{i}"] = k.contiguous(), v.contiguous()
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> PrefixKV:
+        """Inverse of :meth:`to_tensors`.
+
+        Raises:
+            KeyError: a layer or ``token_ids`` is missing.
+        """
+        layers = sum(1 for name in tensors if name.startswith("k."))
+        keys = tuple(tensors[f"k.{i}"] for i in range(layers))
+        values = tuple(tensors[f"v.{i}"] for i in range(layers))
+        return cls(tuple(int(t) for t in tensors["token_ids"].tolist()), keys, values)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """Per-token cache geometry of a model: ``layers`` x 2 (keys, values) x ``kv_heads`` x ``head_dim``."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config) -> KVShape:
+        cfg = config.get_text_config(decoder=True)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
+
+    def nbytes(self, tokens: int, element_size: int) -> int:
+        """Bytes of keys + values for ``tokens`` tokens at ``element_size`` bytes per element."""
+        return 2 * self.layers * self.kv_heads * tokens * self.head_dim * element_size
 
 
 def _require_full_attention(config) -> None:

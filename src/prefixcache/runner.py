@@ -2,7 +2,7 @@
 
 The loop reads as four stages per window of records:
 
-1. ``_prepare``: render and tokenize each record, checking the prefix boundary;
+1. ``_prepare``: render and tokenize each record, fit it to the context, check the prefix boundary;
 2. ``_plan``: cut the window into batches (length-sorted in ``batched`` mode);
 3. ``_run``: one :func:`~prefixcache.engine.score_rows` call per batch;
 4. ``_emit``: restore input order and yield Predictions.
@@ -11,8 +11,12 @@ Modes (:data:`MODES`): ``full`` re-encodes every whole prompt (the baseline),
 ``cached`` feeds one record per pass over the stored prefix (the published
 recipe), ``batched`` feeds ``batch_size`` records per pass.
 
-A record that cannot be rendered yields a Prediction with ``error`` set; it is
-never dropped. A record whose tokens cross the prefix boundary is scored by
+A record that cannot be rendered, that a reader marked bad (``Record.error``),
+or whose prompt overflows the model's context under ``overflow="error"`` yields
+a Prediction with ``error`` set; it is never dropped. Under
+``overflow="truncate"`` an overflowing record's longest field is cut to fit and
+its Prediction is flagged ``truncated`` (see :mod:`prefixcache.fit`).
+A record whose tokens cross the prefix boundary is scored by
 full re-encoding, and counted in :attr:`RunStats.boundary_fallbacks`.
 """
 
@@ -26,9 +30,11 @@ import torch
 
 from .engine import empty_prefix, score_rows
 from .errors import InputError
+from .fit import OVERFLOW, ContextFit, blank_warning, context_limit, label_overhang
 from .kv import PrefixKV
 from .models import LoadedModel
-from .prompt import Prompt, build_prompt
+from .pool import Lookup, PrefixPool
+from .prompt import Encoded, Prompt, build_prompt
 from .scoring import LabelHead, LabelScores
 from .task import Task
 
@@ -37,20 +43,31 @@ MODES = ("full", "cached", "batched")
 
 @dataclass(frozen=True)
 class Record:
-    """One input record: an id and its fields (``text`` and whatever the task's template reads)."""
+    """One input record: an id and its fields (``text`` and whatever the task's template reads).
+
+    ``error`` is set on a row a reader could not turn into fields (a broken line, a duplicate
+    id): the runner does not run it, and yields an error Prediction in its place.
+    """
 
     id: object
     fields: Mapping[str, object]
+    error: str | None = None
 
 
 @dataclass(frozen=True)
 class Prediction:
-    """The result for one record. Exactly one of ``scores`` and ``error`` is set."""
+    """The result for one record. Exactly one of ``scores`` and ``error`` is set.
+
+    ``truncated``: a field was cut to fit the model's context; ``warning`` says which and how
+    (or notes blank text). Both appear in :meth:`to_json` only when set.
+    """
 
     id: object
     scores: LabelScores | None = None
     error: str | None = None
     boundary_fallback: bool = False
+    truncated: bool = False
+    warning: str | None = None
 
     @property
     def label(self) -> str | None:
@@ -59,25 +76,37 @@ class Prediction:
     def to_json(self) -> dict:
         if self.scores is None:
             return {"id": self.id, "label": None, "scores": None, "margin": None, "error": self.error}
-        return {
+        document = {
             "id": self.id,
             "label": self.scores.label,
             "scores": {k: round(v, 6) for k, v in self.scores.probabilities.items()},
             "margin": round(self.scores.margin, 6),
         }
+        if self.truncated:
+            document["truncated"] = True
+        if self.warning is not None:
+            document["warning"] = self.warning
+        return document
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """How to run. ``window`` records are read, sorted by length and batched at a time."""
+    """How to run. ``window`` records are read, sorted by length and batched at a time.
+
+    ``overflow`` (one of :data:`~prefixcache.fit.OVERFLOW`): what happens to a record whose
+    prompt does not fit the model's context: ``error`` or ``truncate``.
+    """
 
     mode: str = "batched"
     batch_size: int = 32
     window: int = 1024
+    overflow: str = "error"
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {self.mode!r}")
+        if self.overflow not in OVERFLOW:
+            raise ValueError(f"overflow must be one of {OVERFLOW}, not {self.overflow!r}")
         if self.batch_size < 1:
             raise ValueError("batch_size must be at least 1")
 
@@ -103,6 +132,8 @@ class _Item:
     rows: tuple[int, ...] | None = None  # tokens fed after the prefix used
     full: bool = False  # fed after the empty prefix (full re-encode or boundary fallback)
     error: str | None = None
+    truncated: bool = False
+    warning: str | None = None
 
 
 class Classifier:
@@ -110,21 +141,37 @@ class Classifier:
 
     Thread safety: the stored prefix is read-only and every batch uses its own fork,
     so several threads may call :meth:`classify` at once.
+
+    With a ``pool`` (:class:`~prefixcache.pool.PrefixPool`) the prefix is taken from
+    the pool once per :meth:`classify` call instead of being kept by the classifier,
+    so the pool's budget and evictions govern its memory; the task's ``pin`` is honoured.
     """
 
-    def __init__(self, loaded: LoadedModel, task: Task, method: str = "auto"):
+    def __init__(self, loaded: LoadedModel, task: Task, method: str = "auto", pool: PrefixPool | None = None):
         self.loaded = loaded
         self.task = task
         self.prompt: Prompt = build_prompt(task, loaded.tokenizer)
         self.method = self.prompt.resolve_method(method)
         self.head = LabelHead(loaded.model, self.prompt, self.method)
+        overhang = label_overhang(self.prompt, self.method)
+        self.fit = ContextFit(self.prompt, loaded.tokenizer, context_limit(loaded.model), overhang)
+        self.pool = pool
+        self.last_lookup: Lookup | None = None
         self._prefix: PrefixKV | None = None
         self._empty = empty_prefix(loaded.model)
         self.prefix_seconds = 0.0
 
     @property
     def prefix(self) -> PrefixKV:
-        """The task's prefix cache, built on first use."""
+        """The task's prefix cache: built on first use, or looked up in the pool on every access.
+
+        Raises:
+            PoolBudgetError: (with a pool) the prefix cannot fit in the pool's budget.
+        """
+        if self.pool is not None:
+            lookup = self.pool.get(self.loaded, self.prompt.prefix_ids, pin=self.task.pin, name=self.task.name)
+            self.last_lookup, self.prefix_seconds = lookup, lookup.seconds
+            return lookup.prefix
         if self._prefix is None:
             started = time.perf_counter()
             self._prefix = PrefixKV.build(self.loaded.model, self.prompt.prefix_ids)
@@ -140,29 +187,33 @@ class Classifier:
     ) -> Iterator[Prediction]:
         """Yield one Prediction per record, in input order."""
         stats = stats if stats is not None else RunStats()
+        prefix = self._empty
         if config.mode != "full":
-            _ = self.prefix
+            prefix = self.prefix  # held for this call only (a pool may evict its entry meanwhile)
             stats.prefix_seconds = self.prefix_seconds
         window: list[Record] = []
         for record in records:
             window.append(record)
             if len(window) >= config.window:
-                yield from self._window(window, config, progress, stats)
+                yield from self._window(window, config, progress, stats, prefix)
                 window = []
         if window:
-            yield from self._window(window, config, progress, stats)
+            yield from self._window(window, config, progress, stats, prefix)
 
     def classify_all(self, records: Iterable[Record], config: RunConfig = RunConfig(), **kw) -> list[Prediction]:
         return list(self.classify(records, config, **kw))
 
-    def _window(self, records, config, progress, stats) -> Iterator[Prediction]:
+    def _window(self, records, config, progress, stats, stored: PrefixKV) -> Iterator[Prediction]:
         started = time.perf_counter()
-        items = self._prepare(records, config.mode)
+        items = self._prepare(records, config.mode, config.overflow)
         results: dict[int, Prediction] = {}
-        for prefix, batch in self._plan(items, config):
+        for prefix, batch in self._plan(items, config, stored):
             scores = self._run(prefix, batch, stats)
             for item, score in zip(batch, scores):
-                results[item.index] = Prediction(item.record.id, score, boundary_fallback=item.full and config.mode != "full")
+                results[item.index] = Prediction(
+                    item.record.id, score, boundary_fallback=item.full and config.mode != "full",
+                    truncated=item.truncated, warning=item.warning,
+                )
             if progress:
                 progress(len(batch))
         for item in items:
@@ -176,23 +227,36 @@ class Classifier:
         stats.seconds += time.perf_counter() - started
         yield from self._emit(items, results)
 
-    def _prepare(self, records: list[Record], mode: str) -> list[_Item]:
-        """Render and tokenize; route each record to the stored prefix or to full re-encoding."""
+    def _prepare(self, records: list[Record], mode: str, overflow: str) -> list[_Item]:
+        """Render, tokenize and fit each record; route it to the stored prefix or to full re-encoding."""
         texts, items = [], []
         for i, record in enumerate(records):
+            if record.error is not None:
+                items.append(_Item(i, record, error=record.error))
+                continue
             try:
                 texts.append((i, self.prompt.suffix_text(record.fields, record.id)))
             except InputError as exc:
                 items.append(_Item(i, record, error=str(exc)))
         encoded = self.prompt.encode(self.loaded.tokenizer, [t for _, t in texts])
         for (i, _), enc in zip(texts, encoded):
-            if mode == "full" or enc.suffix_ids is None:
-                items.append(_Item(i, records[i], rows=enc.full_ids, full=True))
-            else:
-                items.append(_Item(i, records[i], rows=enc.suffix_ids))
+            items.append(self._route(i, records[i], enc, mode, overflow))
         return sorted(items, key=lambda it: it.index)
 
-    def _plan(self, items: list[_Item], config: RunConfig) -> Iterator[tuple[PrefixKV, list[_Item]]]:
+    def _route(self, index: int, record: Record, enc: Encoded, mode: str, overflow: str) -> _Item:
+        """One tokenized record as an item: fitted to the context (or failed), fed after the prefix or in full."""
+        warning, truncated = blank_warning(record.fields, self.task.fields), False
+        if self.fit.overflows(enc):
+            try:
+                fitted = self.fit.fit(record.fields, record.id, enc, overflow)
+            except InputError as exc:
+                return _Item(index, record, error=str(exc))
+            enc, warning, truncated = fitted.encoded, fitted.warning, True
+        if mode == "full" or enc.suffix_ids is None:
+            return _Item(index, record, rows=enc.full_ids, full=True, truncated=truncated, warning=warning)
+        return _Item(index, record, rows=enc.suffix_ids, truncated=truncated, warning=warning)
+
+    def _plan(self, items: list[_Item], config: RunConfig, stored: PrefixKV) -> Iterator[tuple[PrefixKV, list[_Item]]]:
         """Batches, each over one prefix. ``batched`` sorts by length to cut padding."""
         runnable = [it for it in items if it.error is None]
         for use_full in (True, False):
@@ -202,7 +266,7 @@ class Classifier:
             size = config.batch_size if config.mode == "batched" else 1
             if size > 1:
                 group = sorted(group, key=lambda it: len(it.rows))
-            prefix = self._empty if use_full else self.prefix
+            prefix = self._empty if use_full else stored
             for start in range(0, len(group), size):
                 yield prefix, group[start : start + size]
 

@@ -1,0 +1,347 @@
+#!/usr/bin/env python3
+"""Load test of `prefixcache serve` on loopback: micro-batching against one item per pass, in one run.
+
+What it does, in order:
+
+0. snapshots the task file into a temporary folder, so the reference and both
+   servers read the same bytes even if someone edits the task meanwhile;
+1. computes the *sequential* reference in this process: every distinct ticket
+   classified alone (``RunConfig("cached", 1)``), on the same model and dtype;
+2. starts one ``python -m prefixcache serve`` per lane (micro-batched
+   ``--max-batch N`` and ``--max-batch 1``) on free 127.0.0.1 ports with random API
+   keys, warms both up, then sends the same ``--requests`` requests to each from
+   ``--clients`` concurrent clients (one keep-alive connection each), in
+   alternating rounds (A B, B A) so that load drift on a shared machine hits both
+   lanes alike, and stops the servers;
+3. checks every response against the reference (same ids in the same order,
+   same label, each probability within ``--tolerance``), and reports items/s and
+   p50/p99 request latency per lane, plus the mean pass size from ``/metrics``.
+
+Exit code 0 when there are no errors and micro-batched throughput is at least
+``--target``x the one-at-a-time lane; 1 otherwise.
+
+    python scripts/loadtest.py --model smollm2-135m
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import itertools
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+HOST = "127.0.0.1"
+
+
+@dataclass
+class Lane:
+    name: str
+    max_batch: int
+    latencies: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
+    near_ties: int = 0
+    max_prob_diff: float = 0.0
+    items: int = 0
+    seconds: float = 0.0
+    passes: float = 0.0
+    pass_items: float = 0.0
+
+    @property
+    def items_per_second(self) -> float:
+        return self.items / self.seconds if self.seconds else 0.0
+
+    def percentile(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 if ordered else float("nan")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--task", default="support-tickets")
+    p.add_argument("--dtype", default="float32", help="float32 (the strict reference, default), bfloat16 or auto")
+    p.add_argument("--threads", type=int, default=None, help="torch threads in the server (default: all cores)")
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--requests", type=int, default=320, help="measured requests per lane")
+    p.add_argument("--items-per-request", type=int, default=1)
+    p.add_argument("--distinct", type=int, default=96, help="distinct tickets, cycled over the requests (each item keeps a unique id)")
+    p.add_argument("--max-batch", type=int, default=32, help="the micro-batched lane's --max-batch")
+    p.add_argument("--max-wait-ms", type=float, default=5.0)
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds per lane (A B, B A, ...), against load drift")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="largest |probability difference| counted as equal")
+    p.add_argument("--near-tie", type=float, default=1e-3,
+                   help="a reference margin (log-prob) below this is a near tie: a flipped label there is flagged, not failed")
+    p.add_argument("--target", type=float, default=4.0, help="required throughput ratio, micro-batched / one at a time")
+    p.add_argument("--json", dest="json_path", default=None, help="also write the figures as JSON here")
+    return p.parse_args()
+
+
+def snapshot_task(spec: str, folder: str) -> str:
+    """Copy the task's YAML (a bundled name or a path) into ``folder``; return the copy's path."""
+    source = Path(spec)
+    if source.is_file():
+        text = source.read_text(encoding="utf-8")
+    else:
+        text = (resources.files("prefixcache.tasks") / f"{spec}.yaml").read_text(encoding="utf-8")
+    target = Path(folder) / "task.yaml"
+    target.write_text(text, encoding="utf-8")
+    return str(target)
+
+
+def workload(n_requests: int, per_request: int, distinct: int) -> list[list[dict]]:
+    """Requests of bundled support tickets (``distinct`` of them, cycled), each item with a unique id."""
+    from prefixcache.data import bundled_dataset
+
+    with open(bundled_dataset(), encoding="utf-8") as fh:
+        texts = [json.loads(line)["text"] for line in fh if line.strip()][:distinct]
+    items = [{"id": f"q{i}", "text": texts[i % len(texts)]} for i in range(n_requests * per_request)]
+    return [items[i : i + per_request] for i in range(0, len(items), per_request)]
+
+
+def sequential_reference(args, requests) -> dict[str, object]:
+    """Every distinct text classified alone, in this process: text -> Prediction."""
+    from prefixcache import Classifier, Record, RunConfig, load_model, load_task
+
+    loaded = load_model(args.model, args.dtype, args.threads)
+    classifier = Classifier(loaded, load_task(args.task))
+    texts = list(dict.fromkeys(item["text"] for request in requests for item in request))
+    records = [Record(text, {"text": text}) for text in texts]
+    started = time.perf_counter()
+    predictions = classifier.classify_all(records, RunConfig("cached", 1))
+    seconds = time.perf_counter() - started
+    print(f"sequential reference: {len(records)} distinct items one per pass in-process, {len(records) / seconds:.1f} items/s "
+          f"({loaded.identity}, {str(loaded.dtype).removeprefix('torch.')})", flush=True)
+    return {p.id: p for p in predictions}
+
+
+class Server:
+    """`prefixcache serve` in a subprocess on a free loopback port; stopped with SIGINT (graceful)."""
+
+    def __init__(self, args, max_batch: int, key: str):
+        cmd = [sys.executable, "-m", "prefixcache", "serve", "--task", args.task, "--model", args.model, "--dtype", args.dtype,
+               "--host", HOST, "--port", "0", "--max-batch", str(max_batch), "--max-wait-ms", str(args.max_wait_ms),
+               "--max-queue", str(max(1024, args.clients * args.items_per_request * 2)), "--log-level", "warning"]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        env = {**os.environ, "PREFIXCACHE_API_KEY": key, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.log: list[str] = []
+        self.port = self._wait_for_port()
+        threading.Thread(target=self._drain, daemon=True).start()
+        self._wait_healthy()
+
+    def _wait_for_port(self, timeout: float = 300) -> int:
+        deadline = time.monotonic() + timeout
+        for line in self.proc.stdout:
+            self.log.append(line)
+            if "listening on http://" in line:
+                return int(line.rsplit(":", 1)[1])
+            if time.monotonic() > deadline:
+                break
+        self.stop()
+        raise RuntimeError("the server did not start:\n" + "".join(self.log[-30:]))
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+
+    def _wait_healthy(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("the server exited:\n" + "".join(self.log[-30:]))
+            try:
+                conn = http.client.HTTPConnection(HOST, self.port, timeout=5)
+                conn.request("GET", "/healthz")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError("the server never became healthy")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def post(conn: http.client.HTTPConnection, body: bytes, key: str) -> tuple[int, bytes]:
+    conn.request("POST", "/v1/classify", body=body, headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    response = conn.getresponse()
+    return response.status, response.read()
+
+
+def drive(port: int, key: str, task: str, requests: list[list[dict]], clients: int):
+    """Send every request once from ``clients`` threads. Returns [(request index, status, body, seconds)], wall seconds."""
+    bodies = [json.dumps({"task": task, "items": r}).encode() for r in requests]
+    counter = itertools.count()
+    lock = threading.Lock()
+    outcomes = []
+
+    def client():
+        conn = http.client.HTTPConnection(HOST, port, timeout=300)
+        while True:
+            with lock:
+                n = next(counter)
+            if n >= len(bodies):
+                break
+            started = time.perf_counter()
+            try:
+                status, data = post(conn, bodies[n], key)
+            except (OSError, http.client.HTTPException) as exc:
+                status, data = 0, f"{type(exc).__name__}: {exc}".encode()
+                conn.close()
+                conn = http.client.HTTPConnection(HOST, port, timeout=300)
+            outcomes.append((n, status, data, time.perf_counter() - started))
+        conn.close()
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outcomes, time.perf_counter() - started
+
+
+def check(lane: Lane, outcomes, requests, reference, args) -> None:
+    """Compare every response with the sequential reference; fill the lane's figures."""
+    for n, status, data, seconds in outcomes:
+        lane.latencies.append(seconds)
+        if status != 200:
+            lane.errors.append(f"request {n}: HTTP {status}: {data[:200]!r}")
+            continue
+        results = json.loads(data)["results"]
+        want_ids = [item["id"] for item in requests[n]]
+        if [r["id"] for r in results] != want_ids:
+            lane.errors.append(f"request {n}: ids {[r['id'] for r in results]} != {want_ids}")
+            continue
+        lane.items += len(results)
+        for item, result in zip(requests[n], results):
+            want = reference[item["text"]]
+            diff = max(abs(result["scores"][label] - p) for label, p in want.scores.probabilities.items())
+            lane.max_prob_diff = max(lane.max_prob_diff, diff)
+            if result["label"] != want.label and want.scores.margin < args.near_tie:
+                lane.near_ties += 1
+            elif result["label"] != want.label or diff > args.tolerance:
+                lane.mismatches.append(f"{result['id']}: {result['label']} {result['scores']} vs sequential {want.label} "
+                                       f"{want.scores.probabilities}")
+
+
+def pass_sizes(port: int, key: str) -> tuple[float, float]:
+    """(forward passes, items in them) from the server's /metrics."""
+    conn = http.client.HTTPConnection(HOST, port, timeout=30)
+    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {key}"})
+    text = conn.getresponse().read().decode()
+    count = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("prefixcache_batch_size_count"))
+    total = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("prefixcache_batch_size_sum"))
+    return count, total
+
+
+def run_lanes(lanes: list[Lane], args, requests, reference, task_name: str) -> None:
+    """Start one server per lane, then drive the lanes in alternating rounds (A B, B A, ...).
+
+    Interleaving makes a drift in background load (a shared machine) hit every lane alike.
+    Each round sends a contiguous slice of the requests; every request is sent once per lane.
+    """
+    servers: dict[str, tuple[Server, str]] = {}
+    try:
+        for lane in lanes:
+            key = secrets.token_urlsafe(24)
+            print(f"[{lane.name}] starting server (--max-batch {lane.max_batch})", flush=True)
+            servers[lane.name] = (Server(args, lane.max_batch, key), key)
+        for lane in lanes:  # warm-up: the first passes pay one-time costs (allocations, kernel selection)
+            server, key = servers[lane.name]
+            drive(server.port, key, task_name, requests[: min(8, args.clients)], args.clients)
+        size = -(-len(requests) // args.rounds)
+        slices = [(start, requests[start : start + size]) for start in range(0, len(requests), size)]
+        for number, (offset, chunk) in enumerate(slices):
+            for lane in lanes if number % 2 == 0 else lanes[::-1]:
+                server, key = servers[lane.name]
+                before = pass_sizes(server.port, key)
+                outcomes, seconds = drive(server.port, key, task_name, chunk, args.clients)
+                after = pass_sizes(server.port, key)
+                lane.seconds += seconds
+                lane.passes += after[0] - before[0]
+                lane.pass_items += after[1] - before[1]
+                check(lane, [(offset + n, *rest) for n, *rest in outcomes], requests, reference, args)
+                print(f"[{lane.name}] round {number + 1}/{len(slices)}: {len(chunk)} requests in {seconds:.1f} s", flush=True)
+    finally:
+        for server, _ in servers.values():
+            server.stop()
+    for lane in lanes:
+        print(f"[{lane.name}] {lane.items} items in {lane.seconds:.1f} s: {lane.items_per_second:.2f} items/s, "
+              f"p50 {lane.percentile(0.5):.0f} ms, p99 {lane.percentile(0.99):.0f} ms", flush=True)
+
+
+def report(lanes: list[Lane], args) -> bool:
+    batched, single = lanes
+    ratio = batched.items_per_second / single.items_per_second if single.items_per_second else float("inf")
+    head = f"{'lane':<22}{'items':>7}{'errors':>8}{'mismatch':>10}{'items/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'mean pass':>11}"
+    print("\n" + head + "\n" + "-" * len(head))
+    for lane in lanes:
+        mean_pass = lane.pass_items / lane.passes if lane.passes else float("nan")
+        print(f"{lane.name:<22}{lane.items:>7}{len(lane.errors):>8}{len(lane.mismatches):>10}{lane.items_per_second:>10.2f}"
+              f"{lane.percentile(0.5):>9.0f}{lane.percentile(0.99):>9.0f}{mean_pass:>11.1f}")
+    errors = sum(len(lane.errors) + len(lane.mismatches) for lane in lanes)
+    near = sum(lane.near_ties for lane in lanes)
+    diff = max(lane.max_prob_diff for lane in lanes)
+    print(f"\nthroughput ratio (micro-batched / max-batch 1): {ratio:.2f}x  (target >= {args.target:g}x); "
+          f"load average at the end {machine_load()} on {os.cpu_count()} CPUs")
+    print(f"responses equal to the sequential result: {'all' if not errors else 'NOT all'}; max |prob diff| {diff:.1e} "
+          f"(tolerance {args.tolerance:g}); near-tie label flips flagged: {near}")
+    for lane in lanes:
+        for line in (lane.errors + lane.mismatches)[:5]:
+            print(f"  [{lane.name}] {line}")
+    ok = errors == 0 and ratio >= args.target
+    print("PASS" if ok else "FAIL")
+    if args.json_path:
+        with open(args.json_path, "w", encoding="utf-8") as fh:
+            json.dump({"ratio": ratio, "cpus": os.cpu_count(), "load_average_end": os.getloadavg(), "errors": errors, "near_ties": near, "max_prob_diff": diff, "lanes": [
+                {"name": lane.name, "max_batch": lane.max_batch, "items": lane.items, "seconds": lane.seconds,
+                 "items_per_second": lane.items_per_second, "p50_ms": lane.percentile(0.5), "p99_ms": lane.percentile(0.99),
+                 "errors": len(lane.errors), "mismatches": len(lane.mismatches), "passes": lane.passes}
+                for lane in lanes]}, fh, indent=2)
+    return ok
+
+
+def machine_load() -> str:
+    """The 1/5/15-minute load averages: figures from a shared machine mean little without them."""
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def main() -> int:
+    args = parse_args()
+    print(f"load test: {args.clients} clients, {args.requests} requests x {args.items_per_request} item(s) per lane, "
+          f"model {args.model}, task {args.task}, dtype {args.dtype}, loopback {HOST}", flush=True)
+    print(f"machine: {os.cpu_count()} CPUs, load average {machine_load()} at start", flush=True)
+    requests = workload(args.requests, args.items_per_request, args.distinct)
+    with tempfile.TemporaryDirectory(prefix="prefixcache-loadtest-") as folder:
+        from prefixcache import load_task
+
+        args.task = snapshot_task(args.task, folder)  # from here on, the snapshot's path
+        name = load_task(args.task).name
+        reference = sequential_reference(args, requests)
+        lanes = [Lane(f"micro-batched (<= {args.max_batch})", args.max_batch), Lane("max-batch 1", 1)]
+        run_lanes(lanes, args, requests, reference, name)
+    return 0 if report(lanes, args) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""The HTTP service: FastAPI routes, a micro-batcher and Prometheus metrics over cached prefixes.
+
+Modules: ``settings`` (limits, one frozen dataclass), ``runners`` (what a task
+kind does with a batch), ``batcher`` (merging requests into passes),
+``service`` (registry + threads), ``middleware`` (metrics, auth, body limit),
+``schemas`` (HTTP bodies), ``app`` (routes), ``run`` (uvicorn on a socket),
+``static/index.html`` (the web page).
+
+Importing this package is cheap: FastAPI is imported only when ``create_app``
+or ``run_server`` is first used, so the CLI can read settings without it.
+"""
+
+from __future__ import annotations
+
+from .settings import ServerSettings
+
+__all__ = ["ServerSettings", "create_app", "run_server", "ServerThread"]
+
+
+def __getattr__(name: str):
+    if name == "create_app":
+        from .app import create_app
+
+        return create_app
+    if name in ("run_server", "ServerThread"):
+        from . import run
+
+        return getattr(run, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,225 @@
+"""The FastAPI app: routes, the one place errors become HTTP answers, and the middleware stack.
+
+``create_app(loaded, tasks, settings)`` takes an already-loaded model, so tests
+pass a tiny in-process model and the CLI passes the one ``--model`` names.
+The app builds every task's prefix on start-up (before it accepts requests)
+and serves until shut down.
+
+Routes (all but ``/healthz`` and the web page need the API key when one is set):
+
+* ``POST /v1/classify``, ``POST /v1/extract``: items in, one result per item out, in order;
+* ``GET /v1/tasks``, ``PUT /v1/tasks/{name}`` (YAML or JSON body), ``DELETE /v1/tasks/{name}``;
+* ``GET /v1/stats`` (the web page's live figures), ``GET /metrics`` (Prometheus);
+* ``GET /healthz``, ``GET /`` (the web page), ``GET /docs`` (OpenAPI).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from importlib import resources
+from typing import Sequence
+
+from fastapi import FastAPI, Path, Request, Response
+from fastapi.responses import HTMLResponse, JSONResponse
+
+from ..errors import InputError, PrefixCacheError, PromptError, TaskError
+from ..models import LoadedModel
+from ..task import Task, parse_task
+from .errors import QueueFullError, ServerError, TaskUploadError
+from .metrics import Metrics
+from .middleware import PUBLIC_PATHS, BearerAuth, BodyLimit, RequestMetrics
+from .schemas import (
+    ClassifyResponse, ErrorOut, ExtractResponse, Health, ItemsRequest, Stats, TaskInfo, TaskList, UsageOut,
+)
+from .service import Service
+from .settings import ServerSettings
+
+TASK_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+TASK_MEDIA_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "application/json", "text/plain")
+ERRORS = {code: {"model": ErrorOut} for code in (401, 404, 413, 429)}  # 422 keeps FastAPI's own shape too
+
+
+def create_app(loaded: LoadedModel, tasks: Sequence[Task], settings: ServerSettings | None = None) -> FastAPI:
+    """A ready-to-serve app for ``tasks`` on ``loaded``. Prefixes are built when the app starts."""
+    settings = settings or ServerSettings.from_env()
+    metrics = Metrics()
+    service = Service(loaded, settings, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await service.start(list(tasks))
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(
+        title="prefixcache",
+        summary="Micro-batched classification over cached prompt prefixes.",
+        version=_version(),
+        lifespan=lifespan,
+        responses=ERRORS,
+    )
+    app.state.service = service
+    app.state.settings = settings
+    _routes(app, service)
+    app.add_exception_handler(PrefixCacheError, _error_response)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BearerAuth, key=settings.api_key)
+    app.add_middleware(RequestMetrics, metrics=metrics)  # added last: outermost, so it sees 401s and 413s
+    app.openapi = _openapi_with_bearer(app)
+    return app
+
+
+def _routes(app: FastAPI, service: Service) -> None:
+    page, page_csp = _web_page()
+
+    @app.get("/", include_in_schema=False)
+    async def web_page() -> HTMLResponse:
+        return HTMLResponse(page, headers={"content-security-policy": page_csp, "x-content-type-options": "nosniff"})
+
+    @app.get("/healthz", response_model=Health, tags=["service"], responses={503: {"model": Health}})
+    async def healthz(response: Response) -> Health:
+        """200 once every start-up prefix is built and while batching runs; 503 if batching stopped. Needs no key."""
+        if not service.batcher.running:
+            response.status_code = 503
+            return Health(status="batching stopped", tasks=len(service.tasks()))
+        return Health(status="ok", tasks=len(service.tasks()))
+
+    @app.get("/metrics", tags=["service"], response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus text format: requests, items, latencies, batch sizes, queue depth, prefix counters."""
+        return Response(service.metrics.exposition(), media_type=service.metrics.content_type)
+
+    @app.get("/v1/stats", response_model=Stats, tags=["service"])
+    async def stats() -> Stats:
+        """Live figures: items/s over the last 10 s, prefix hit rate, queue depth."""
+        return Stats(**service.metrics.summary(service.batcher.depth, service.batcher.in_progress, len(service.tasks())))
+
+    @app.post("/v1/classify", response_model=ClassifyResponse, tags=["items"])
+    async def classify(body: ItemsRequest) -> ClassifyResponse:
+        """Classify every item with the task's labels. Results come back in the items' order."""
+        results, usage = await service.run("classify", body.task, body.records())
+        return ClassifyResponse(results=results, usage=UsageOut(**asdict(usage)))
+
+    @app.post("/v1/extract", response_model=ExtractResponse, tags=["items"])
+    async def extract(body: ItemsRequest) -> ExtractResponse:
+        """Extract fields from every item with an extraction task (``kind: extract``).
+
+        No extraction runner exists yet: a classification task here answers 422, an unknown one 404.
+        """
+        results, usage = await service.run("extract", body.task, body.records())
+        return ExtractResponse(results=results, usage=UsageOut(**asdict(usage)))
+
+    @app.get("/v1/tasks", response_model=TaskList, tags=["tasks"])
+    async def list_tasks() -> TaskList:
+        return TaskList(tasks=[TaskInfo(**runner.describe()) for runner in service.tasks()])
+
+    @app.put(
+        "/v1/tasks/{name}",
+        response_model=TaskInfo,
+        status_code=201,
+        tags=["tasks"],
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "description": "A task file's text: the same keys as a task YAML (name, instruction, labels, ...).",
+                "content": {
+                    "application/yaml": {"schema": {"type": "string"}},
+                    "application/json": {"schema": {"type": "object"}},
+                },
+            }
+        },
+    )
+    async def put_task(request: Request, response: Response, name: str = Path(pattern=TASK_NAME, max_length=128)) -> TaskInfo:
+        """Register (201) or replace (200) a task from a YAML or JSON task body, and build its prefix.
+
+        The body is the task itself, parsed as text: it can name no file, and nothing in it is read from disk.
+        Requests already accepted for a replaced task finish with the old version.
+        """
+        task = _parse_upload(name, request.headers.get("content-type", ""), await request.body())
+        runner, created = await service.register(task)
+        response.status_code = 201 if created else 200
+        return TaskInfo(**runner.describe())
+
+    @app.delete("/v1/tasks/{name}", status_code=204, tags=["tasks"], response_class=Response)
+    async def delete_task(name: str = Path(pattern=TASK_NAME, max_length=128)) -> Response:
+        """Unregister a task and drop its prefix. Requests already accepted for it still finish."""
+        service.remove(name)
+        return Response(status_code=204)
+
+
+def _parse_upload(name: str, content_type: str, body: bytes) -> Task:
+    """The uploaded task, validated. Raises TaskError (bad task) or TaskUploadError (bad upload)."""
+    media_type = content_type.split(";")[0].strip().lower()
+    if media_type not in TASK_MEDIA_TYPES:
+        raise TaskUploadError(f"send the task as YAML or JSON (Content-Type one of {', '.join(TASK_MEDIA_TYPES)})")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TaskUploadError(f"the task body is not UTF-8 (byte {exc.start})") from None
+    task = parse_task(text, source=f"upload:{name}")
+    if task.name != name:
+        raise TaskUploadError(f"the task body names {task.name!r} but the URL names {name!r}; make them match")
+    return task
+
+
+async def _error_response(request: Request, exc: PrefixCacheError) -> JSONResponse:
+    """The one place domain errors become HTTP answers (``PREFIXCACHE_DEBUG=1`` re-raises instead)."""
+    if os.environ.get("PREFIXCACHE_DEBUG"):
+        raise exc
+    status = _status(exc)
+    body = {"detail": str(exc)}
+    if getattr(exc, "item", None) is not None:
+        body["item"] = exc.item
+    headers = {"retry-after": str(exc.retry_after)} if isinstance(exc, QueueFullError) else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _status(exc: PrefixCacheError) -> int:
+    if isinstance(exc, ServerError):
+        return exc.status
+    if isinstance(exc, (TaskError, PromptError, InputError)):
+        return 422
+    return 500
+
+
+def _web_page() -> tuple[str, str]:
+    """The static page, and a Content-Security-Policy that allows only its own inline script and this origin."""
+    page = (resources.files("prefixcache.server") / "static" / "index.html").read_text(encoding="utf-8")
+    scripts = re.findall(r"<script>(.*?)</script>", page, flags=re.S)
+    hashes = " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(s.encode()).digest()).decode()}'" for s in scripts)
+    csp = (
+        f"default-src 'none'; script-src {hashes}; style-src 'unsafe-inline'; connect-src 'self'; "
+        "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
+    return page, csp
+
+
+def _openapi_with_bearer(app: FastAPI):
+    """Declare the Bearer scheme in the OpenAPI document (enforcement is the BearerAuth middleware)."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            schema["security"] = [{"bearer": []}]
+            for path in PUBLIC_PATHS & set(schema["paths"]):
+                for operation in schema["paths"][path].values():
+                    operation["security"] = []
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__

@@ -1,0 +1,153 @@
+"""Metrics: Prometheus series for ``/metrics`` and a small JSON summary for the web page.
+
+Every :class:`Metrics` owns its own ``CollectorRegistry``, so several apps in
+one process (tests) never share counters.
+
+There is no prefix pool yet (one prefix per task), so the pool series are
+per-task prefix series: ``prefixcache_prefix_bytes``, ``..._builds_total``,
+``..._hits_total`` (items scored over a stored prefix), ``..._misses_total``
+(items that could not use it and were re-encoded in full) and
+``..._evictions_total`` (prefixes dropped by a task's DELETE or replacement).
+The pool issue replaces these with the pool's own counters.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+RATE_WINDOW_S = 10.0
+
+
+class Metrics:
+    """The server's counters. Methods are safe to call from any thread."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "prefixcache_http_requests", "HTTP requests by route and status code.", ["method", "route", "code"], registry=r
+        )
+        self.request_seconds = Histogram(
+            "prefixcache_http_request_seconds", "HTTP request latency.", ["method", "route"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.items = Counter("prefixcache_items", "Items answered, by task and kind.", ["task", "kind"], registry=r)
+        self.batch_size = Histogram(
+            "prefixcache_batch_size", "Items per forward pass.", ["task"], buckets=BATCH_BUCKETS, registry=r
+        )
+        self.batch_seconds = Histogram(
+            "prefixcache_batch_seconds", "Time of one forward pass.", ["task"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_wait_seconds = Histogram(
+            "prefixcache_queue_wait_seconds", "Time an item waited before its pass started.",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_depth = Gauge("prefixcache_queue_depth", "Items waiting for the model.", registry=r)
+        self.in_progress = Gauge(
+            "prefixcache_in_progress", "Items admitted and not yet answered (bounded by --max-queue).", registry=r
+        )
+        self.queue_rejections = Counter("prefixcache_queue_rejections", "Requests refused with 429.", registry=r)
+        self.prefix_bytes = Gauge("prefixcache_prefix_bytes", "Bytes of each task's stored prefix.", ["task"], registry=r)
+        self.prefix_tokens = Gauge("prefixcache_prefix_tokens", "Tokens of each task's stored prefix.", ["task"], registry=r)
+        self.prefix_builds = Counter("prefixcache_prefix_builds", "Prefix computations.", ["task"], registry=r)
+        self.prefix_hits = Counter("prefixcache_prefix_hits", "Items scored over a stored prefix.", ["task"], registry=r)
+        self.prefix_misses = Counter(
+            "prefixcache_prefix_misses", "Items re-encoded in full (token boundary fallback).", ["task"], registry=r
+        )
+        self.prefix_evictions = Counter(
+            "prefixcache_prefix_evictions", "Prefixes dropped (task deleted or replaced).", ["task"], registry=r
+        )
+        self.tasks = Gauge("prefixcache_tasks", "Registered tasks.", registry=r)
+        self._lock = threading.Lock()
+        self._done: deque[tuple[float, int]] = deque()  # (monotonic time, items) of recent passes
+        self._totals = {"items": 0, "hits": 0, "misses": 0, "batches": 0, "requests": 0}
+        self._with_prefix: set[str] = set()  # tasks whose prefix gauges are set
+
+    # --- recording -------------------------------------------------------------------------------
+
+    def record_request(self, method: str, route: str, code: int, seconds: float) -> None:
+        self.requests.labels(method, route, str(code)).inc()
+        self.request_seconds.labels(method, route).observe(seconds)
+        with self._lock:
+            self._totals["requests"] += 1
+
+    def record_batch(self, task: str, kind: str, size: int, hits: int, seconds: float) -> None:
+        """One forward pass of ``size`` items, ``hits`` of them over the stored prefix."""
+        self.items.labels(task, kind).inc(size)
+        self.batch_size.labels(task).observe(size)
+        self.batch_seconds.labels(task).observe(seconds)
+        self.prefix_hits.labels(task).inc(hits)
+        if size - hits:
+            self.prefix_misses.labels(task).inc(size - hits)
+        now = time.monotonic()
+        with self._lock:
+            self._done.append((now, size))
+            self._trim(now)
+            self._totals["items"] += size
+            self._totals["hits"] += hits
+            self._totals["misses"] += size - hits
+            self._totals["batches"] += 1
+
+    def record_prefix(self, task: str, tokens: int, nbytes: int, replaced: bool) -> None:
+        """A prefix was built for ``task`` (``replaced``: it took the place of an older one)."""
+        for counter in (self.prefix_hits, self.prefix_misses, self.prefix_evictions):
+            counter.labels(task)  # expose the series at 0 from the start
+        self.prefix_builds.labels(task).inc()
+        self.prefix_tokens.labels(task).set(tokens)
+        self.prefix_bytes.labels(task).set(nbytes)
+        with self._lock:
+            self._with_prefix.add(task)
+        if replaced:
+            self.prefix_evictions.labels(task).inc()
+
+    def record_removed(self, task: str) -> None:
+        self.prefix_evictions.labels(task).inc()
+        with self._lock:
+            had_prefix = task in self._with_prefix
+            self._with_prefix.discard(task)
+        if had_prefix:
+            self.prefix_tokens.remove(task)
+            self.prefix_bytes.remove(task)
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    def items_per_second(self) -> float:
+        """Items answered per second over the last :data:`RATE_WINDOW_S` seconds."""
+        now = time.monotonic()
+        with self._lock:
+            self._trim(now)
+            return sum(n for _, n in self._done) / RATE_WINDOW_S
+
+    def summary(self, queue_depth: int, in_progress: int, tasks: int) -> dict:
+        """The figures the web page shows (JSON)."""
+        rate = self.items_per_second()
+        with self._lock:
+            totals = dict(self._totals)
+        scored = totals["hits"] + totals["misses"]
+        return {
+            "items_total": totals["items"],
+            "items_per_second": round(rate, 2),
+            "requests_total": totals["requests"],
+            "batches_total": totals["batches"],
+            "mean_batch_size": round(totals["items"] / totals["batches"], 2) if totals["batches"] else None,
+            "prefix_hit_rate": round(totals["hits"] / scored, 4) if scored else None,
+            "queue_depth": queue_depth,
+            "in_progress": in_progress,
+            "tasks": tasks,
+        }
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format."""
+        return generate_latest(self.registry)
+
+    def _trim(self, now: float) -> None:
+        while self._done and self._done[0][0] < now - RATE_WINDOW_S:
+            self._done.popleft()

@@ -1,0 +1,149 @@
+"""ASGI middleware, outermost first: request metrics, API-key auth, body-size limit.
+
+Each is a plain ASGI wrapper, so it also covers routes FastAPI builds itself
+(``/docs``, ``/openapi.json``) and requests that match no route.
+
+* :class:`RequestMetrics` times every request and counts it by route template
+  (``/v1/tasks/{name}``, never the raw path, so labels stay bounded) and status.
+* :class:`BearerAuth`: when a key is configured, every path but the public
+  ones needs ``Authorization: Bearer <key>``, compared in constant time;
+  anything else gets 401 before the body is read.
+* :class:`BodyLimit`: bodies over ``max_bytes`` get 413, whether announced by
+  ``Content-Length`` or streamed in chunks; the app sees a body only once it
+  is known to fit.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from typing import Awaitable, Callable
+
+from .metrics import Metrics
+
+Scope = dict
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+PUBLIC_PATHS = frozenset({"/healthz", "/"})
+"""Paths open without a key: the health check, and the static web page (a browser cannot attach a
+Bearer header to a page load; the page holds no data and sends the key on every API call it makes)."""
+
+
+async def send_json(send: Send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    payload = json.dumps(body).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()), *headers],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})
+
+
+class RequestMetrics:
+    """Count and time every HTTP request by method, route template and status code."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_and_note(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "(unmatched)"
+            self.metrics.record_request(scope["method"], template, status["code"], time.perf_counter() - started)
+
+
+class BearerAuth:
+    """Require ``Authorization: Bearer <key>`` on every non-public path when ``key`` is set."""
+
+    def __init__(self, app: ASGIApp, key: str | None):
+        self.app = app
+        self.key = key.encode() if key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.key is None or scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        await send_json(
+            send, 401, {"detail": "missing or wrong API key: send 'Authorization: Bearer <key>'"},
+            [(b"www-authenticate", b'Bearer realm="prefixcache"')],
+        )
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                header = value
+                break
+        scheme, _, token = header.partition(b" ")
+        # compare_digest runs in time independent of where the strings differ
+        return hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
+
+
+class BodyLimit:
+    """Refuse request bodies larger than ``max_bytes`` with 413; buffer the rest and replay it to the app."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = self._content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await self._refuse(send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    def _content_length(scope: Scope) -> int | None:
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                return int(value) if value.isdigit() else None
+        return None
+
+    async def _refuse(self, send: Send) -> None:
+        await send_json(send, 413, {"detail": f"request body larger than max_body_bytes={self.max_bytes}"})

@@ -1,0 +1,141 @@
+"""HTTP bodies (pydantic). Unknown fields are forbidden everywhere except inside an item.
+
+An item is either a plain string (its ``text``) or an object with an optional
+``id``, and the record fields the task's ``input_template`` reads (``text``
+and any others). Items therefore allow extra keys, but only scalar values
+(string or number): nothing nested, nothing that could smuggle structure.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+from ..runner import Record
+
+Scalar = Union[str, int, float]
+
+
+class Item(BaseModel):
+    """One record: ``{"id": ..., "text": ..., <other template fields>: ...}``."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": {"type": ["string", "number"]}})
+
+    id: str | int | None = Field(default=None, description="Echoed back; defaults to the item's 0-based position.")
+    text: str | None = Field(default=None, description="The record's text (most tasks' template reads {text}).")
+
+    @model_validator(mode="after")
+    def _extra_fields_are_scalars(self) -> Item:
+        for key, value in (self.model_extra or {}).items():
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise ValueError(f"field {key!r} must be a string or a number, not {type(value).__name__}")
+        return self
+
+    def to_record(self, position: int) -> Record:
+        fields: dict[str, Any] = dict(self.model_extra or {})
+        if self.text is not None:
+            fields["text"] = self.text
+        return Record(self.id if self.id is not None else position, fields)
+
+
+def _item_kind(value: object) -> str:
+    return "text" if isinstance(value, str) else "object"
+
+
+AnyItem = Annotated[Union[Annotated[str, Tag("text")], Annotated[Item, Tag("object")]], Discriminator(_item_kind)]
+"""A string or an :class:`Item`; validation errors point at ``items.<i>.text`` or ``items.<i>.object.<field>``."""
+
+
+class ItemsRequest(BaseModel):
+    """``POST /v1/classify`` and ``POST /v1/extract``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task: str = Field(min_length=1, description="A registered task's name (GET /v1/tasks).")
+    items: list[AnyItem] = Field(min_length=1, description="Strings, or objects with id and fields.")
+
+    def records(self) -> list[Record]:
+        return [
+            Record(i, {"text": item}) if isinstance(item, str) else item.to_record(i) for i, item in enumerate(self.items)
+        ]
+
+
+class UsageOut(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prefix_tokens_reused: int = Field(description="Stored-prefix tokens the request's items did not recompute.")
+    suffix_tokens: int = Field(description="Tokens computed for the items themselves.")
+
+
+class ClassifyResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | int
+    label: str
+    scores: dict[str, float] = Field(description="Probability of each label (they sum to 1).")
+    margin: float = Field(description="Log-probability gap between the best and the second-best label.")
+
+
+class ClassifyResponse(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    results: list[ClassifyResult]
+    usage: UsageOut
+
+
+class ExtractResponse(BaseModel):
+    """Placeholder shape until extraction tasks exist (issue 4): one object per item, in order."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    results: list[dict[str, Any]]
+    usage: UsageOut
+
+
+class TaskInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    kind: str
+    labels: list[str]
+    input_fields: list[str]
+    method: str
+    prefix_tokens: int
+    prefix_bytes: int
+
+
+class TaskList(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tasks: list[TaskInfo]
+
+
+class Health(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    status: str
+    tasks: int
+
+
+class Stats(BaseModel):
+    """The live figures of the web page."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    items_total: int
+    items_per_second: float
+    requests_total: int
+    batches_total: int
+    mean_batch_size: float | None
+    prefix_hit_rate: float | None
+    queue_depth: int = Field(description="Items waiting for a pass.")
+    in_progress: int = Field(description="Items admitted and not yet answered (the --max-queue bound).")
+    tasks: int
+
+
+class ErrorOut(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    detail: str
+    item: int | None = Field(default=None, description="0-based index of the item at fault, when one is.")

@@ -1,0 +1,83 @@
+"""Server settings: one frozen dataclass, the single source of every limit and default.
+
+The CLI's ``serve`` options mirror these defaults (a test keeps them in step).
+The API key is never a command-line flag (it would show in ``ps``): it comes
+from ``PREFIXCACHE_API_KEY`` through :meth:`ServerSettings.from_env`.
+
+This module imports nothing heavy, so the CLI can read it without FastAPI.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+
+from .errors import SettingsError
+
+API_KEY_ENV = "PREFIXCACHE_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Limits and batching knobs of one server.
+
+    Attributes:
+        host, port: where ``serve`` listens (loopback by default; port 0 picks a free one).
+        max_batch: most items merged into one forward pass.
+        max_wait_ms: how long the oldest queued item may wait for companions before its pass starts.
+        max_queue: most items in progress (being tokenized, queued or in a pass; all tasks together); more gets 429.
+        max_items: most items in one request (422 above it).
+        max_item_tokens: most tokens of one item's own part of the prompt (422 naming the item).
+        max_body_bytes: largest request body accepted (413 above it).
+        max_prefix_tokens: largest prefix an uploaded task may have (422 above it); start-up tasks are not limited.
+        method: label scoring method for every task (``auto``, ``first-token``, ``full``).
+        api_key: when set, every endpoint but ``/healthz`` and the static page needs
+            ``Authorization: Bearer <api_key>``. Never printed (``repr=False``).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 32
+    max_wait_ms: float = 5.0
+    max_queue: int = 1024
+    max_items: int = 256
+    max_item_tokens: int = 512
+    max_body_bytes: int = 1 << 20
+    max_prefix_tokens: int = 8192
+    method: str = "auto"
+    api_key: str | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_queue", "max_items", "max_item_tokens", "max_body_bytes", "max_prefix_tokens"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.max_wait_ms < 0:
+            raise SettingsError(f"max_wait_ms must be 0 or more, not {self.max_wait_ms}")
+        if not 0 <= self.port <= 65535:
+            raise SettingsError(f"port must be between 0 and 65535, not {self.port}")
+        if self.max_items > self.max_queue:
+            raise SettingsError(
+                f"max_items ({self.max_items}) exceeds max_queue ({self.max_queue}): such a request could never be queued"
+            )
+        if self.api_key is not None and not self.api_key.strip():
+            raise SettingsError(f"{API_KEY_ENV} is set but empty; unset it or give it a value")
+
+    @property
+    def max_wait_s(self) -> float:
+        return self.max_wait_ms / 1000.0
+
+    @classmethod
+    def from_env(cls, **overrides) -> ServerSettings:
+        """Settings with ``overrides`` (``None`` values are ignored) and the API key from the environment."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        unknown = set(given) - {f.name for f in fields(cls)}
+        if unknown:
+            raise SettingsError(f"unknown server settings: {', '.join(sorted(unknown))}")
+        given.setdefault("api_key", os.environ.get(API_KEY_ENV) or None)
+        return cls(**given)
+
+    def with_(self, **changes) -> ServerSettings:
+        return replace(self, **changes)
+
+
+DEFAULTS = ServerSettings()
