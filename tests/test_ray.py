@@ -27,11 +27,12 @@ from prefixcache.tickets import generate_tickets
 from conftest import TASK_YAML, tiny_loaded
 
 if os.environ.get("CI"):
-    import ray  # noqa: F401 - CI must have Ray: fail loudly instead of skipping
+    import ray.data  # noqa: F401 - CI must have Ray: fail loudly instead of skipping
 else:
     pytest.importorskip("ray.data", reason="Ray is not installed: pip install 'prefixcache[ray]'")
 
-from prefixcache.dist.ray import FAIL_ONCE_ENV, input_format, run_ray_classify  # noqa: E402
+from prefixcache.dist.inputs import input_format  # noqa: E402
+from prefixcache.dist.ray import FAIL_ONCE_ENV, run_ray_classify  # noqa: E402
 from prefixcache.dist.rows import ROW, Finisher, prediction_line, record_of  # noqa: E402
 from prefixcache.dist.sink import PartWriter  # noqa: E402
 from prefixcache.dist.summary import RaySummary, Tally  # noqa: E402
@@ -105,6 +106,18 @@ def test_input_format_errors_say_what_to_do(tmp_path):
         input_format("-")
     with pytest.raises(InputError, match="cannot tell its format"):
         input_format(str(tmp_path / "tickets.txt"))
+
+
+def test_without_ray_the_error_says_how_to_install_it(monkeypatch):
+    import sys
+
+    from prefixcache.dist import RayNotInstalledError
+    from prefixcache.dist import run_ray_classify as lazy_run
+
+    monkeypatch.delitem(sys.modules, "prefixcache.dist.ray")
+    monkeypatch.setitem(sys.modules, "ray", None)  # makes `import ray` fail as if it were not installed
+    with pytest.raises(RayNotInstalledError, match=r"pip install 'prefixcache\[ray\]'"):
+        lazy_run("in.jsonl", None, "support-tickets")
 
 
 def test_summary_counts_rows_per_worker():
