@@ -32,7 +32,7 @@ else:
     pytest.importorskip("ray.data", reason="Ray is not installed: pip install 'prefixcache[ray]'")
 
 from prefixcache.dist.inputs import input_format  # noqa: E402
-from prefixcache.dist.ray import FAIL_ONCE_ENV, run_ray_classify  # noqa: E402
+from prefixcache.dist.ray import FAIL_ONCE_ENV, cpus_per_worker, run_ray_classify  # noqa: E402
 from prefixcache.dist.rows import ROW, Finisher, prediction_line, record_of  # noqa: E402
 from prefixcache.dist.sink import PartWriter  # noqa: E402
 from prefixcache.dist.summary import RaySummary, Tally  # noqa: E402
@@ -118,6 +118,12 @@ def test_without_ray_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # makes `import ray` fail as if it were not installed
     with pytest.raises(RayNotInstalledError, match=r"pip install 'prefixcache\[ray\]'"):
         lazy_run("in.jsonl", None, "support-tickets")
+
+
+def test_one_cpu_stays_free_for_ray_datas_own_tasks():
+    assert cpus_per_worker(threads=1, workers=2, cluster_cpus=2) == 0.5  # reads and listings still get a CPU
+    assert cpus_per_worker(threads=4, workers=8, cluster_cpus=64) == 4.0  # room enough: as asked
+    assert cpus_per_worker(threads=2, workers=1, cluster_cpus=0) == 2.0  # no CPU figure (a GPU-only view)
 
 
 def test_summary_counts_rows_per_worker():
