@@ -97,6 +97,15 @@ def tiny_loaded(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) ->
     return LoadedModel(model, tokenizer, f"tiny-{arch}", f"tiny-{arch}-seed{seed}", dtype, torch.device("cpu"))
 
 
+def save_tiny_model(tmp_path_factory, arch: str = "qwen2", loaded: LoadedModel | None = None) -> str:
+    """Save a tiny model and its tokenizer to a fresh folder, usable as ``--model``; returns the folder."""
+    loaded = loaded or tiny_loaded(arch)
+    folder = tmp_path_factory.mktemp(f"{loaded.spec}-model")
+    loaded.model.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

@@ -17,7 +17,7 @@ from prefixcache.runner import Prediction, Record, RunStats
 from prefixcache.scoring import LabelScores
 from prefixcache.verify import compare
 
-from conftest import tiny_loaded
+from conftest import tiny_loaded, save_tiny_model
 
 MODE_KEYS = {"mode", "ms_per_item", "items_per_s", "speedup_vs_full", "label_agreement", "max_abs_logprob_diff", "pct_of_peak"}
 TOP_KEYS = {"dtype", "threads", "peak_gflops", "prefix_tokens", "mean_suffix_tokens", "modes"}
@@ -25,11 +25,7 @@ TOP_KEYS = {"dtype", "threads", "peak_gflops", "prefix_tokens", "mean_suffix_tok
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-bench-model")
-    loaded = tiny_loaded("llama")
-    loaded.model.save_pretrained(folder)
-    loaded.tokenizer.save_pretrained(folder)
-    return str(folder)
+    return save_tiny_model(tmp_path_factory, "llama")
 
 
 def test_bench_runs_on_tiny_model_and_json_has_every_key(model_dir, tmp_path):

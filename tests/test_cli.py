@@ -10,18 +10,14 @@ from typer.testing import CliRunner
 
 from prefixcache.cli import app
 
-from conftest import TASK_YAML, TEXTS, tiny_loaded
+from conftest import TASK_YAML, TEXTS, save_tiny_model
 
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    loaded = tiny_loaded("qwen2")
-    loaded.model.save_pretrained(folder)
-    loaded.tokenizer.save_pretrained(folder)
-    return str(folder)
+    return save_tiny_model(tmp_path_factory, "qwen2")
 
 
 @pytest.fixture

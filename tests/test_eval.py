@@ -22,7 +22,7 @@ from prefixcache.scoring import LabelScores
 from prefixcache.selection import candidate_order, first_examples, normalize_text, overlapping_rows, resolve_examples
 from prefixcache.task import parse_task
 
-from conftest import TASK_YAML, TEXTS, tiny_loaded
+from conftest import TASK_YAML, TEXTS, tiny_loaded, save_tiny_model
 
 LABELS = ["billing", "technical", "account"]
 REPORT_KEYS = {"records", "accuracy", "macro_f1", "per_label", "confusion"}
@@ -327,10 +327,7 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tiny):
-    folder = tmp_path_factory.mktemp("tiny-eval-model")
-    tiny.model.save_pretrained(folder)
-    tiny.tokenizer.save_pretrained(folder)
-    return str(folder)
+    return save_tiny_model(tmp_path_factory, loaded=tiny)
 
 
 @pytest.fixture

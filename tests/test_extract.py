@@ -22,7 +22,7 @@ from prefixcache.pool import PrefixPool
 from prefixcache.runner import Classifier, Record, RunConfig, records_from_texts
 from prefixcache.task import ExtractTask, bundled_task_names, load_any_task, load_task, parse_task
 
-from conftest import TEXTS, tiny_loaded
+from conftest import TEXTS, save_tiny_model
 
 EXTRACT_YAML = """\
 name: tiny-fields
@@ -202,11 +202,7 @@ def test_extract_task_errors_name_the_field(edit, message):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    loaded = tiny_loaded("qwen2")
-    loaded.model.save_pretrained(folder)
-    loaded.tokenizer.save_pretrained(folder)
-    return str(folder)
+    return save_tiny_model(tmp_path_factory, "qwen2")
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from prefixcache.runner import Classifier, RunConfig, records_from_texts
 from prefixcache.store import DiskStore
 from prefixcache.verify import compare
 
-from conftest import TASK_YAML, TEXTS, tiny_loaded
+from conftest import TASK_YAML, TEXTS, tiny_loaded, save_tiny_model
 
 TOL = 1e-4
 
@@ -311,11 +311,7 @@ def test_parse_bytes():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    loaded = tiny_loaded("qwen2")
-    loaded.model.save_pretrained(folder)
-    loaded.tokenizer.save_pretrained(folder)
-    return str(folder)
+    return save_tiny_model(tmp_path_factory, "qwen2")
 
 
 def test_cli_classify_with_cache_dir_then_ls_and_clear(model_dir, tmp_path):

@@ -24,7 +24,7 @@ from prefixcache.runner import Classifier, Prediction, Record, RunConfig
 from prefixcache.task import load_task
 from prefixcache.tickets import generate_tickets
 
-from conftest import TASK_YAML, tiny_loaded
+from conftest import TASK_YAML, save_tiny_model
 
 if os.environ.get("CI"):
     import ray.data  # noqa: F401 - CI must have Ray: fail loudly instead of skipping
@@ -168,11 +168,7 @@ def local_ray(fail_marker):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    loaded = tiny_loaded("qwen2")
-    loaded.model.save_pretrained(folder)
-    loaded.tokenizer.save_pretrained(folder)
-    return str(folder)
+    return save_tiny_model(tmp_path_factory, "qwen2")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from prefixcache.errors import InputError
 from prefixcache.runner import Classifier, Record, RunConfig
 from prefixcache.verify import compare
 
-from conftest import TASK_YAML, tiny_loaded
+from conftest import TASK_YAML, tiny_loaded, save_tiny_model
 
 DATA = Path(__file__).parent / "data"
 JSONL = DATA / "bad_records.jsonl"
@@ -70,10 +70,7 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, loaded):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    loaded.model.save_pretrained(folder)
-    loaded.tokenizer.save_pretrained(folder)
-    return str(folder)
+    return save_tiny_model(tmp_path_factory, loaded=loaded)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from prefixcache.cli import app
 from prefixcache.errors import InputError
 from prefixcache.runner import LabelScores, Prediction, Record
 
-from conftest import TASK_YAML, TEXTS, tiny_loaded
+from conftest import TASK_YAML, TEXTS, save_tiny_model
 
 runner = CliRunner()
 N = 80  # records in the killed job: enough that it cannot finish between our poll and the kill
@@ -26,11 +26,7 @@ N = 80  # records in the killed job: enough that it cannot finish between our po
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    loaded = tiny_loaded("qwen2")
-    loaded.model.save_pretrained(folder)
-    loaded.tokenizer.save_pretrained(folder)
-    return str(folder)
+    return save_tiny_model(tmp_path_factory, "qwen2")
 
 
 @pytest.fixture(scope="module")
