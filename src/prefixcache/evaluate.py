@@ -133,11 +133,15 @@ def labelled_records(records: Iterable[Record], label_field: str, task: Task) ->
 def check_no_overlap(data: LabelledRecords, task: Task) -> None:
     """Refuse evaluation rows that are also few-shot examples of ``task`` (same normalized text).
 
+    The examples checked are the ones the prompt shows: ``task``'s resolved examples
+    (:func:`~prefixcache.selection.resolve_examples`, as :func:`prefixcache.prompt.build_prompt` renders them).
+
     Raises:
         InputError: naming every overlapping row (up to :data:`MAX_NAMED_ROWS`) and its text.
     """
+    shown = resolve_examples(task)
     rows = ((i, r.fields) for i, r in enumerate(data.records))
-    hits = overlapping_rows(rows, task.examples, task.fields)
+    hits = overlapping_rows(rows, shown.examples, shown.fields)
     if hits:
         named = [f"{_row(i, data.records[i])} {text!r}" for i, text in hits]
         raise InputError(
@@ -214,7 +218,7 @@ def evaluate(
         model=loaded.identity,
         dtype=str(loaded.dtype).removeprefix("torch."),
         method=classifier.method,
-        examples=len(classifier.task.examples),
+        examples=len(classifier.prompt.task.examples),  # the examples the prompt shows (resolved)
         prefix_tokens=len(classifier.prompt.prefix_ids),
         batch_size=batch_size,
         ms_per_item=1000 * stats.seconds / len(data.records),

@@ -12,6 +12,14 @@ stored prefix is *healed*: its last token(s) move into every suffix. Records
 are still checked one by one; one that breaks the boundary anyway is reported
 (``Encoded.suffix_ids is None``) so the runner can re-encode it in full.
 
+Few-shot examples: the prompt always shows
+:func:`prefixcache.selection.resolve_examples` of the task (its fixed
+``examples`` plus what its ``select`` picks from ``example_pool``), whatever
+the caller (classify, verify, bench, serve, ray, eval). Data flows one way:
+task file -> resolved examples -> rendered prompt; ``Prompt.task`` is the
+resolved task. Selection is seeded, so one task file always gives the same
+prefix text and tokens (and so the same prefix-cache keys).
+
 This module knows nothing about models or caches: only text and token ids.
 """
 
@@ -21,6 +29,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .errors import InputError, LabelCollisionError, PromptError
+from .selection import resolve_examples
 from .task import Task
 
 SENTINEL = "\u27e6RECORD\u27e7"
@@ -47,6 +56,8 @@ class Prompt:
     """A task rendered for one tokenizer.
 
     Attributes:
+        task: the task with its examples resolved (no pool, no ``select``): ``task.examples``
+            are exactly the examples the prompt shows, in order.
         prefix_text: the static text before the record (including the input template's lead).
         lead: static text of the input template before its first field (already in ``prefix_text``).
         tail_text: the chat template's text after the record (end of turn, assistant header).
@@ -129,7 +140,11 @@ class Prompt:
 
 
 def render_messages(task: Task) -> list[dict[str, str]]:
-    """Chat messages for ``task`` with :data:`SENTINEL` in place of the record."""
+    """Chat messages for ``task`` with :data:`SENTINEL` in place of the record.
+
+    The few-shot turns are the task's resolved examples (:func:`~prefixcache.selection.resolve_examples`).
+    """
+    task = resolve_examples(task)
     taxonomy = "\n".join(f"- {name}: {description}" for name, description in task.labels.items())
     system = (
         f"{task.instruction.strip()}\n\nCategories:\n{taxonomy}\n\n"
@@ -160,6 +175,7 @@ def build_prompt(task: Task, tokenizer) -> Prompt:
     """
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("this tokenizer has no chat template; use an instruction-tuned (chat) model")
+    task = resolve_examples(task)  # the Prompt keeps the task whose examples it shows
     rendered = tokenizer.apply_chat_template(render_messages(task), tokenize=False, add_generation_prompt=True)
     if rendered.count(SENTINEL) != 1:
         raise PromptError("the chat template did not keep the record placeholder exactly once")

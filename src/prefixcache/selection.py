@@ -4,7 +4,10 @@ A task may list fixed ``examples`` and a larger ``example_pool``. Two consumers
 pick from them:
 
 * :func:`resolve_examples` applies the task's ``select: {per_label, seed}``:
-  the fixed examples plus ``per_label`` pool examples of every label;
+  the fixed examples plus ``per_label`` pool examples of every label. The
+  prompt renderer (:func:`prefixcache.prompt.render_messages` and
+  :func:`~prefixcache.prompt.build_prompt`) always shows these, so ``select``
+  holds for every command, and the evaluation leak check tests these;
 * :func:`first_examples` takes the first ``n`` of one balanced order over
   fixed examples + pool, for ``prefixcache eval --sweep-examples``. Step
   ``n`` shows a superset of step ``m < n``'s examples, so a sweep changes only
@@ -22,7 +25,12 @@ skipped.
 Also here: :func:`overlapping_rows`, which finds evaluation rows whose text is
 one of the prompt's examples (evaluation data must never leak into the prompt).
 
-This module knows nothing about tokenizers or models.
+Everything here is deterministic: the only randomness is ``random.Random(seed)``
+(no hashing, set order or clock), so one task file always resolves to the
+same examples in the same order, hence the same prefix tokens and cache keys.
+
+This module knows nothing about tokenizers or models, and imports nothing
+that renders prompts (``prompt`` imports this module, not the reverse).
 """
 
 from __future__ import annotations
