@@ -27,12 +27,13 @@ from typing import Sequence
 from fastapi import FastAPI, Path, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from ..errors import InputError, PrefixCacheError, PromptError, TaskError
+from ..errors import InputError, PoolBudgetError, PrefixCacheError, PromptError, TaskError
 from ..models import LoadedModel
-from ..task import Task, parse_task
+from ..task import ExtractTask, Task, parse_task
 from .errors import QueueFullError, ServerError, TaskUploadError
 from .metrics import Metrics
 from .middleware import PUBLIC_PATHS, BearerAuth, BodyLimit, RequestMetrics
+from .runners import RUNNER_KINDS
 from .schemas import (
     ClassifyResponse, ErrorOut, ExtractResponse, Health, ItemsRequest, Stats, TaskInfo, TaskList, UsageOut,
 )
@@ -44,7 +45,9 @@ TASK_MEDIA_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "appl
 ERRORS = {code: {"model": ErrorOut} for code in (401, 404, 413, 429)}  # 422 keeps FastAPI's own shape too
 
 
-def create_app(loaded: LoadedModel, tasks: Sequence[Task], settings: ServerSettings | None = None) -> FastAPI:
+def create_app(
+    loaded: LoadedModel, tasks: Sequence[Task | ExtractTask], settings: ServerSettings | None = None
+) -> FastAPI:
     """A ready-to-serve app for ``tasks`` on ``loaded``. Prefixes are built when the app starts."""
     settings = settings or ServerSettings.from_env()
     metrics = Metrics()
@@ -60,7 +63,7 @@ def create_app(loaded: LoadedModel, tasks: Sequence[Task], settings: ServerSetti
 
     app = FastAPI(
         title="prefixcache",
-        summary="Micro-batched classification over cached prompt prefixes.",
+        summary="Micro-batched classification and extraction over cached prompt prefixes.",
         version=_version(),
         lifespan=lifespan,
         responses=ERRORS,
@@ -92,8 +95,8 @@ def _routes(app: FastAPI, service: Service) -> None:
         return Health(status="ok", tasks=len(service.tasks()))
 
     @app.get("/metrics", tags=["service"], response_class=Response)
-    async def metrics() -> Response:
-        """Prometheus text format: requests, items, latencies, batch sizes, queue depth, prefix counters."""
+    def metrics() -> Response:  # sync: runs on a worker thread, since reading the pool waits for a prefix build
+        """Prometheus text format: requests, items, latencies, batch sizes, queue depth, prefix and pool counters."""
         return Response(service.metrics.exposition(), media_type=service.metrics.content_type)
 
     @app.get("/v1/stats", response_model=Stats, tags=["service"])
@@ -109,9 +112,11 @@ def _routes(app: FastAPI, service: Service) -> None:
 
     @app.post("/v1/extract", response_model=ExtractResponse, tags=["items"])
     async def extract(body: ItemsRequest) -> ExtractResponse:
-        """Extract fields from every item with an extraction task (``kind: extract``).
+        """Extract the task's fields from every item with an extraction task (``kind: extract``).
 
-        No extraction runner exists yet: a classification task here answers 422, an unknown one 404.
+        Each result holds the parsed ``fields`` (null when no JSON object was found), the generated
+        text (``raw``) and an ``error`` when the output could not be parsed into the declared fields.
+        Results come back in the items' order. A classification task here answers 422, an unknown one 404.
         """
         results, usage = await service.run("extract", body.task, body.records())
         return ExtractResponse(results=results, usage=UsageOut(**asdict(usage)))
@@ -128,7 +133,10 @@ def _routes(app: FastAPI, service: Service) -> None:
         openapi_extra={
             "requestBody": {
                 "required": True,
-                "description": "A task file's text: the same keys as a task YAML (name, instruction, labels, ...).",
+                "description": (
+                    "A task file's text: the same keys as a task YAML (name, instruction, labels, ...; "
+                    "or kind: extract, name, instruction, fields, ... for an extraction task)."
+                ),
                 "content": {
                     "application/yaml": {"schema": {"type": "string"}},
                     "application/json": {"schema": {"type": "object"}},
@@ -154,7 +162,7 @@ def _routes(app: FastAPI, service: Service) -> None:
         return Response(status_code=204)
 
 
-def _parse_upload(name: str, content_type: str, body: bytes) -> Task:
+def _parse_upload(name: str, content_type: str, body: bytes) -> Task | ExtractTask:
     """The uploaded task, validated. Raises TaskError (bad task) or TaskUploadError (bad upload)."""
     media_type = content_type.split(";")[0].strip().lower()
     if media_type not in TASK_MEDIA_TYPES:
@@ -163,7 +171,7 @@ def _parse_upload(name: str, content_type: str, body: bytes) -> Task:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise TaskUploadError(f"the task body is not UTF-8 (byte {exc.start})") from None
-    task = parse_task(text, source=f"upload:{name}")
+    task = parse_task(text, source=f"upload:{name}", kinds=tuple(RUNNER_KINDS))
     if task.name != name:
         raise TaskUploadError(f"the task body names {task.name!r} but the URL names {name!r}; make them match")
     return task
@@ -186,6 +194,8 @@ def _status(exc: PrefixCacheError) -> int:
         return exc.status
     if isinstance(exc, (TaskError, PromptError, InputError)):
         return 422
+    if isinstance(exc, PoolBudgetError):  # a pass's prefix no longer fits (pinned prefixes fill the pool)
+        return 503
     return 500
 
 

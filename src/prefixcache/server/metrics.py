@@ -3,12 +3,17 @@
 Every :class:`Metrics` owns its own ``CollectorRegistry``, so several apps in
 one process (tests) never share counters.
 
-There is no prefix pool yet (one prefix per task), so the pool series are
-per-task prefix series: ``prefixcache_prefix_bytes``, ``..._builds_total``,
-``..._hits_total`` (items scored over a stored prefix), ``..._misses_total``
-(items that could not use it and were re-encoded in full) and
-``..._evictions_total`` (prefixes dropped by a task's DELETE or replacement).
-The pool issue replaces these with the pool's own counters.
+Two families describe prefixes:
+
+* per task (``task`` label): ``prefixcache_prefix_bytes`` / ``..._tokens``,
+  ``..._builds_total`` (registrations), ``..._hits_total`` (items run over the
+  stored prefix), ``..._misses_total`` (items re-encoded in full at a token
+  boundary) and ``..._evictions_total`` (the task deleted or replaced);
+* the prefix pool's own counters, read from ``PrefixPool.stats()`` at each
+  scrape (:meth:`Metrics.watch_pool`): ``prefixcache_pool_hits_total`` (lookups
+  answered from memory), ``..._misses_total`` (lookups that built the prefix),
+  ``..._evictions_total``, ``prefixcache_pool_bytes`` (held), ``..._budget_bytes``,
+  ``..._entries``, ``..._pinned`` and the prefill tokens saved and computed.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import time
 from collections import deque
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -70,6 +77,14 @@ class Metrics:
         self._done: deque[tuple[float, int]] = deque()  # (monotonic time, items) of recent passes
         self._totals = {"items": 0, "hits": 0, "misses": 0, "batches": 0, "requests": 0}
         self._with_prefix: set[str] = set()  # tasks whose prefix gauges are set
+
+    def watch_pool(self, pool) -> None:
+        """Expose ``pool``'s counters (a :class:`~prefixcache.pool.PrefixPool`), read at every scrape.
+
+        A scrape takes the pool's lock, so it waits while a prefix is being built: serve
+        ``exposition`` from a worker thread, not from the event loop.
+        """
+        self.registry.register(_PoolCollector(pool))
 
     # --- recording -------------------------------------------------------------------------------
 
@@ -151,3 +166,30 @@ class Metrics:
     def _trim(self, now: float) -> None:
         while self._done and self._done[0][0] < now - RATE_WINDOW_S:
             self._done.popleft()
+
+
+class _PoolCollector(Collector):
+    """The prefix pool's counters as Prometheus series, from one ``stats()`` snapshot per scrape."""
+
+    def __init__(self, pool):
+        self._pool = pool
+
+    def collect(self):
+        s = self._pool.stats()
+        counters = (
+            ("hits", "Prefix lookups answered from the pool's memory.", s.hits),
+            ("misses", "Prefix lookups the pool could not answer from memory (the prefix was built).", s.misses),
+            ("evictions", "Prefixes evicted to stay within the pool's byte budget.", s.evictions),
+            ("prefill_tokens_saved", "Prefix tokens the pool spared from computing.", s.prefill_tokens_saved),
+            ("prefill_tokens_computed", "Prefix tokens computed for the pool.", s.prefill_tokens_computed),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(f"prefixcache_pool_{name}", doc, value=value)
+        gauges = (
+            ("bytes", "Bytes of the prefixes the pool holds.", s.bytes_held),
+            ("budget_bytes", "The pool's byte budget (cache_budget_bytes).", s.budget_bytes),
+            ("entries", "Prefixes the pool holds.", s.entries),
+            ("pinned", "Pinned prefixes (never evicted).", s.pinned),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(f"prefixcache_pool_{name}", doc, value=value)

@@ -9,10 +9,16 @@ A runner binds one task to one model. It has two halves, run on two threads:
 * :meth:`TaskRunner.run` (the *model* thread): one forward pass for a batch of
   prepared items, possibly from many requests; results in the batch's order.
 
-Runners are chosen by the task's ``kind`` through :data:`RUNNER_KINDS`. Today
-only ``classify`` exists; an extraction runner (``kind: extract``) registers
-itself there with the same two halves, and ``/v1/extract`` starts serving it
-without any change to the app or the batcher.
+Runners are chosen by the task's ``kind`` through :data:`RUNNER_KINDS`:
+``classify`` (:class:`ClassifyRunner`, one scoring pass) and ``extract``
+(:class:`ExtractRunner`, batched greedy generation). Both go through the same
+batcher, limits and metrics.
+
+Prefixes come from the service's :class:`~prefixcache.pool.PrefixPool`: a runner
+looks its prefix up once on construction (building it, or finding it held) and
+once per pass, and never keeps it in between, so the pool's byte budget and
+evictions govern prefix memory. Without a pool (``pool=None``) a runner builds
+its prefix once and keeps it.
 
 This module knows nothing about HTTP or queues.
 """
@@ -24,9 +30,11 @@ from typing import Callable, ClassVar, Protocol, Sequence
 
 from ..engine import empty_prefix, score_rows
 from ..errors import InputError
+from ..extract import Extractor
 from ..models import LoadedModel
-from ..runner import Classifier, Prediction, Record
-from ..task import Task
+from ..pool import PrefixKey, PrefixPool
+from ..runner import Classifier, Prediction, Record, RunConfig
+from ..task import ExtractTask, Task
 from .errors import ItemError, TaskUploadError
 from .settings import ServerSettings
 
@@ -60,7 +68,9 @@ class TaskRunner(Protocol):
     """
 
     kind: ClassVar[str]
-    task: Task
+    task: Task | ExtractTask
+    prefix_key: PrefixKey
+    """The prefix's identity in the pool (what a DELETE unpins)."""
 
     @property
     def prefix_tokens(self) -> int: ...
@@ -80,7 +90,7 @@ class TaskRunner(Protocol):
 
 
 class ClassifyRunner:
-    """A classification task on a model: the task's prefix is built once, on construction.
+    """A classification task on a model: the task's prefix is built (or found in the pool) on construction.
 
     Construct it on the model thread: building the prefix runs the model.
     ``prefix_limit`` (uploads only) is checked before the prefix is built.
@@ -88,29 +98,30 @@ class ClassifyRunner:
     Raises (on construction):
         PromptError: the task cannot be rendered for this tokenizer.
         TaskUploadError: the prefix is longer than ``prefix_limit``.
+        PoolBudgetError: the prefix cannot fit in the pool's budget.
     """
 
     kind: ClassVar[str] = "classify"
 
-    def __init__(self, loaded: LoadedModel, task: Task, settings: ServerSettings, prefix_limit: int | None = None):
+    def __init__(
+        self, loaded: LoadedModel, task: Task, settings: ServerSettings, prefix_limit: int | None = None,
+        pool: PrefixPool | None = None,
+    ):
         self.task = task
-        self.classifier = Classifier(loaded, task, settings.method)
-        length = len(self.classifier.prompt.prefix_ids)
-        if prefix_limit is not None and length > prefix_limit:
-            raise TaskUploadError(
-                f"task {task.name!r} has a {length}-token prefix, more than max_prefix_tokens="
-                f"{prefix_limit}; shorten its instruction or examples"
-            )
-        self._prefix = self.classifier.prefix  # built here, once
+        self.classifier = Classifier(loaded, task, settings.method, pool=pool)
+        _check_prefix_limit(task.name, len(self.classifier.prompt.prefix_ids), prefix_limit)
+        prefix = self.classifier.prefix  # built (or found in the pool) here; a pool lookup again per pass
+        self._length, self._nbytes = prefix.length, prefix.nbytes
+        self.prefix_key = PrefixKey.of(loaded, self.classifier.prompt.prefix_ids)
         self._empty = empty_prefix(loaded.model)
 
     @property
     def prefix_tokens(self) -> int:
-        return self._prefix.length
+        return self._length
 
     @property
     def prefix_bytes(self) -> int:
-        return self._prefix.nbytes
+        return self._nbytes
 
     def describe(self) -> dict:
         return {
@@ -124,32 +135,13 @@ class ClassifyRunner:
         }
 
     def prepare(self, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[Prepared]:
-        prompt = self.classifier.prompt
-        texts = []
-        for index, record in enumerate(records):
-            try:
-                texts.append(prompt.suffix_text(record.fields, record.id))
-            except InputError as exc:
-                raise ItemError(f"item {index}: {exc}", item=index) from None
-        prepared = []
-        for index, (record, encoded) in enumerate(zip(records, prompt.encode(tokenizer, texts))):
-            own = len(encoded.full_ids) - len(prompt.prefix_ids)
-            if own > max_item_tokens:
-                raise ItemError(
-                    f"item {index} (id {record.id!r}): {own} tokens, more than max_item_tokens={max_item_tokens}; "
-                    "shorten it or split it",
-                    item=index,
-                )
-            if encoded.suffix_ids is None:  # crosses the prefix boundary: re-encode in full (invariant 3)
-                prepared.append(Prepared(index, record, encoded.full_ids, 0))
-            else:
-                prepared.append(Prepared(index, record, encoded.suffix_ids, self.prefix_tokens))
-        return prepared
+        return prepare_items(self.classifier.prompt, tokenizer, records, max_item_tokens)
 
     def run(self, batch: Sequence[Prepared]) -> list[dict]:
         """One pass over the stored prefix (plus one over the empty prefix for boundary fallbacks)."""
         results: list[dict | None] = [None] * len(batch)
-        for uses_prefix, prefix in ((True, self._prefix), (False, self._empty)):
+        stored = self.classifier.prefix if any(item.uses_prefix for item in batch) else None  # one lookup per pass
+        for uses_prefix, prefix in ((True, stored), (False, self._empty)):
             group = [i for i, item in enumerate(batch) if item.uses_prefix == uses_prefix]
             if not group:
                 continue
@@ -160,25 +152,128 @@ class ClassifyRunner:
         return results  # type: ignore[return-value]  # every slot was filled above
 
 
-RunnerFactory = Callable[[LoadedModel, Task, ServerSettings, "int | None"], TaskRunner]
+class ExtractRunner:
+    """An extraction task (``kind: extract``) on a model, over :class:`~prefixcache.extract.Extractor`.
 
-RUNNER_KINDS: dict[str, RunnerFactory] = {ClassifyRunner.kind: ClassifyRunner}
-"""Task kind -> runner factory. An extraction runner adds ``"extract"`` here."""
+    ``prepare`` tokenizes exactly like the extractor (to check limits and count usage);
+    ``run`` hands the batch's records to :meth:`Extractor.extract` in ``batched`` mode
+    with the whole batch as one generation batch, so a pass is one
+    :func:`~prefixcache.generate.generate_rows` call over the stored prefix (plus one
+    over the empty prefix for boundary fallbacks), and every result is exactly what the
+    extraction engine returns for that record. The extractor tokenizes the records
+    again on the model thread; next to up to ``max_new_tokens`` decoding steps that is
+    negligible, and it keeps one code path for extraction.
+
+    Raises (on construction): as :class:`ClassifyRunner`.
+    """
+
+    kind: ClassVar[str] = "extract"
+
+    def __init__(
+        self, loaded: LoadedModel, task: ExtractTask, settings: ServerSettings, prefix_limit: int | None = None,
+        pool: PrefixPool | None = None,
+    ):
+        self.task = task
+        self.extractor = Extractor(loaded, task, pool=pool)
+        _check_prefix_limit(task.name, len(self.extractor.prompt.prefix_ids), prefix_limit)
+        prefix = self.extractor.prefix  # built (or found in the pool) here; a pool lookup again per pass
+        self._length, self._nbytes = prefix.length, prefix.nbytes
+        self.prefix_key = PrefixKey.of(loaded, self.extractor.prompt.prefix_ids)
+
+    @property
+    def prefix_tokens(self) -> int:
+        return self._length
+
+    @property
+    def prefix_bytes(self) -> int:
+        return self._nbytes
+
+    def describe(self) -> dict:
+        return {
+            "name": self.task.name,
+            "kind": self.kind,
+            "labels": [],
+            "fields": list(self.task.fields),
+            "input_fields": self.task.input_fields,
+            "method": None,
+            "max_new_tokens": self.extractor.generation.max_new_tokens,
+            "prefix_tokens": self.prefix_tokens,
+            "prefix_bytes": self.prefix_bytes,
+        }
+
+    def prepare(self, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[Prepared]:
+        return prepare_items(self.extractor.prompt, tokenizer, records, max_item_tokens)
+
+    def run(self, batch: Sequence[Prepared]) -> list[dict]:
+        """Greedy generation for the whole batch at once; results in the batch's order."""
+        config = RunConfig("batched", batch_size=len(batch), window=len(batch))
+        return [extraction.to_json() for extraction in self.extractor.extract([item.record for item in batch], config)]
 
 
-def build_runner(loaded: LoadedModel, task: Task, settings: ServerSettings, prefix_limit: int | None = None) -> TaskRunner:
+def prepare_items(prompt, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[Prepared]:
+    """Tokenize ``records`` with ``prompt`` (a classification or extraction prompt) and check the limits.
+
+    An item whose tokens cross the prefix boundary is re-encoded in full (invariant 3).
+
+    Raises:
+        ItemError: naming the first item with a missing or non-text field, or over ``max_item_tokens``.
+    """
+    texts = []
+    for index, record in enumerate(records):
+        try:
+            texts.append(prompt.suffix_text(record.fields, record.id))
+        except InputError as exc:
+            raise ItemError(f"item {index}: {exc}", item=index) from None
+    prefix_tokens = len(prompt.prefix_ids)
+    prepared = []
+    for index, (record, encoded) in enumerate(zip(records, prompt.encode(tokenizer, texts))):
+        own = len(encoded.full_ids) - prefix_tokens
+        if own > max_item_tokens:
+            raise ItemError(
+                f"item {index} (id {record.id!r}): {own} tokens, more than max_item_tokens={max_item_tokens}; "
+                "shorten it or split it",
+                item=index,
+            )
+        if encoded.suffix_ids is None:  # crosses the prefix boundary: re-encode in full (invariant 3)
+            prepared.append(Prepared(index, record, encoded.full_ids, 0))
+        else:
+            prepared.append(Prepared(index, record, encoded.suffix_ids, prefix_tokens))
+    return prepared
+
+
+def _check_prefix_limit(name: str, length: int, limit: int | None) -> None:
+    if limit is not None and length > limit:
+        raise TaskUploadError(
+            f"task {name!r} has a {length}-token prefix, more than max_prefix_tokens="
+            f"{limit}; shorten its instruction or examples"
+        )
+
+
+RunnerFactory = Callable[..., TaskRunner]
+"""``factory(loaded, task, settings, prefix_limit, pool)`` -> a runner (built on the model thread)."""
+
+RUNNER_KINDS: dict[str, RunnerFactory] = {ClassifyRunner.kind: ClassifyRunner, ExtractRunner.kind: ExtractRunner}
+"""Task kind -> runner factory (the task kinds this server runs, and the kinds a task upload may have)."""
+
+
+def build_runner(
+    loaded: LoadedModel, task: Task | ExtractTask, settings: ServerSettings, prefix_limit: int | None = None,
+    pool: PrefixPool | None = None,
+) -> TaskRunner:
     """The runner for ``task``'s kind. Call on the model thread (it builds the prefix).
 
     ``prefix_limit``: the most prefix tokens allowed (uploaded tasks); ``None`` for the operator's own tasks.
+    ``pool``: where the prefix lives (``None``: the runner keeps its own).
 
     Raises:
-        TaskUploadError: no runner serves this kind yet, or the prefix is over ``prefix_limit``.
+        TaskUploadError: no runner serves this kind, or the prefix is over ``prefix_limit``.
+        PoolBudgetError: the prefix cannot fit in the pool's budget.
     """
     kind = getattr(task, "kind", "classify")
     factory = RUNNER_KINDS.get(kind)
     if factory is None:
         raise TaskUploadError(
-            f"task {task.name!r} is of kind {kind!r}, which this server cannot run yet "
+            f"task {task.name!r} is of kind {kind!r}, which this server cannot run "
             f"(it runs: {', '.join(RUNNER_KINDS)})"
         )
-    return factory(loaded, task, settings, prefix_limit)
+    return factory(loaded, task, settings, prefix_limit, pool)

@@ -84,12 +84,23 @@ class ClassifyResponse(BaseModel):
     usage: UsageOut
 
 
-class ExtractResponse(BaseModel):
-    """Placeholder shape until extraction tasks exist (issue 4): one object per item, in order."""
+class ExtractResult(BaseModel):
+    """One item's extraction (:meth:`prefixcache.extract.Extraction.to_json`)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    results: list[dict[str, Any]]
+    id: str | int
+    fields: dict[str, Any] | None = Field(
+        description="The declared fields found in the output (possibly some of them); null when no JSON object was found."
+    )
+    raw: str | None = Field(description="The generated text (cut before a stop string).")
+    error: str | None = Field(description="Why the output is not a JSON object with every declared field; null when it is.")
+
+
+class ExtractResponse(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    results: list[ExtractResult]
     usage: UsageOut
 
 
@@ -97,10 +108,12 @@ class TaskInfo(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    kind: str
-    labels: list[str]
+    kind: str = Field(description="classify (POST /v1/classify) or extract (POST /v1/extract).")
+    labels: list[str] = Field(description="classify tasks: the labels; empty for extract tasks.")
+    fields: list[str] | None = Field(default=None, description="extract tasks: the declared output fields.")
     input_fields: list[str]
-    method: str
+    method: str | None = Field(description="classify tasks: the label scoring method.")
+    max_new_tokens: int | None = Field(default=None, description="extract tasks: most tokens generated per item.")
     prefix_tokens: int
     prefix_bytes: int
 

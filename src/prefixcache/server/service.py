@@ -1,4 +1,4 @@
-"""The service behind the routes: a task registry, two threads and the micro-batcher.
+"""The service behind the routes: a task registry, a prefix pool, two threads and the micro-batcher.
 
 Threads (per model):
 
@@ -8,9 +8,16 @@ Threads (per model):
 
 The event loop only routes: it never tokenizes and never runs the model.
 
+Every task's prefix lives in one :class:`~prefixcache.pool.PrefixPool` (byte
+budget ``settings.cache_budget_bytes``, LRU eviction). Runners look their prefix
+up once per pass, on the model thread, so an evicted prefix is rebuilt when its
+task is next used; tasks with the same prefix tokens share one entry.
+
 A task is replaced or deleted by swapping the registry entry. Requests accepted
 before the swap finish on the runner they were accepted for (the batcher keys
-its queues by runner, not by name), so no request ever mixes two versions of a task.
+its queues by runner, not by name), so no request ever mixes two versions of a task. The pool entry of a
+deleted or replaced task is not dropped at once: it is unpinned (when no other
+task pins it) and evicted when the budget needs the room.
 
 This module knows nothing about HTTP.
 """
@@ -24,11 +31,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..errors import PoolBudgetError
 from ..models import LoadedModel
+from ..pool import PoolConfig, PrefixPool
 from ..runner import Record
-from ..task import Task
+from ..task import ExtractTask, Task
 from .batcher import MicroBatcher
-from .errors import RequestLimitError, UnknownTaskError, WrongTaskKindError
+from .errors import RequestLimitError, TaskUploadError, UnknownTaskError, WrongTaskKindError
 from .metrics import Metrics
 from .runners import TaskRunner, build_runner
 from .settings import ServerSettings
@@ -59,9 +68,11 @@ class Service:
         self._prep_thread = ThreadPoolExecutor(1, thread_name_prefix="prefixcache-prep")
         self._prep_tokenizer = copy.deepcopy(loaded.tokenizer)  # used by the prep thread only
         self.batcher = MicroBatcher(self._model_thread, settings, metrics)
+        self.pool = PrefixPool(PoolConfig(budget_bytes=settings.cache_budget_bytes))  # used on the model thread only
+        metrics.watch_pool(self.pool)
         self._runners: dict[str, TaskRunner] = {}
 
-    async def start(self, tasks: Sequence[Task]) -> None:
+    async def start(self, tasks: Sequence[Task | ExtractTask]) -> None:
         for task in tasks:
             await self.register(task, uploaded=False)
         self.batcher.start()
@@ -94,18 +105,29 @@ class Service:
             )
         return runner
 
-    async def register(self, task: Task, uploaded: bool = True) -> tuple[TaskRunner, bool]:
+    async def register(self, task: Task | ExtractTask, uploaded: bool = True) -> tuple[TaskRunner, bool]:
         """Build ``task``'s runner (and prefix) on the model thread, then swap it in.
 
         An ``uploaded`` task's prefix may not exceed ``settings.max_prefix_tokens``; the
         operator's start-up tasks have no such limit.
-        Returns the runner and whether the name is new. Raises what ``build_runner`` raises.
+        Returns the runner and whether the name is new. Raises what ``build_runner`` raises
+        (for an uploaded task, a prefix that cannot fit in the pool is a TaskUploadError).
         """
         loop = asyncio.get_running_loop()
         limit = self.settings.max_prefix_tokens if uploaded else None
-        runner = await loop.run_in_executor(self._model_thread, build_runner, self.loaded, task, self.settings, limit)
+        try:
+            runner = await loop.run_in_executor(
+                self._model_thread, build_runner, self.loaded, task, self.settings, limit, self.pool
+            )
+        except PoolBudgetError as exc:
+            if not uploaded:
+                raise
+            raise TaskUploadError(f"task {task.name!r}: {exc}") from None
         created = task.name not in self._runners
+        old = self._runners.get(task.name)
         self._runners[task.name] = runner
+        if old is not None:
+            self._release(old)
         self.metrics.record_prefix(task.name, runner.prefix_tokens, runner.prefix_bytes, replaced=not created)
         self.metrics.tasks.set(len(self._runners))
         log.info("task %r %s: %d prefix tokens", task.name, "registered" if created else "replaced", runner.prefix_tokens)
@@ -115,9 +137,21 @@ class Service:
         """Drop task ``name``. Raises UnknownTaskError."""
         if name not in self._runners:
             raise UnknownTaskError(f"unknown task {name!r}: nothing to delete")
-        del self._runners[name]
+        self._release(self._runners.pop(name))
         self.metrics.record_removed(name)
         self.metrics.tasks.set(len(self._runners))
+
+    def _release(self, old: TaskRunner) -> None:
+        """Let the pool evict a dropped runner's prefix: unpin it, unless a registered task still pins it.
+
+        The unpin runs on the model thread (the pool's only user), so the event loop never
+        waits for the pool's lock while a prefix is being built.
+        """
+        if not old.task.pin:
+            return
+        if any(r.task.pin and r.prefix_key == old.prefix_key for r in self._runners.values()):
+            return
+        self._model_thread.submit(self.pool.unpin, old.prefix_key)
 
     # --- items -------------------------------------------------------------------------------------
 

@@ -30,6 +30,9 @@ class ServerSettings:
         max_item_tokens: most tokens of one item's own part of the prompt (422 naming the item).
         max_body_bytes: largest request body accepted (413 above it).
         max_prefix_tokens: largest prefix an uploaded task may have (422 above it); start-up tasks are not limited.
+        cache_budget_bytes: byte budget of the prefix pool that holds every task's prefix (least recently
+            used prefixes are evicted, and rebuilt on their next use, to stay within it; the default is
+            ``prefixcache.pool.PoolConfig``'s, 256 MiB).
         method: label scoring method for every task (``auto``, ``first-token``, ``full``).
         api_key: when set, every endpoint but ``/healthz`` and the static page needs
             ``Authorization: Bearer <api_key>``. Never printed (``repr=False``).
@@ -44,11 +47,13 @@ class ServerSettings:
     max_item_tokens: int = 512
     max_body_bytes: int = 1 << 20
     max_prefix_tokens: int = 8192
+    cache_budget_bytes: int = 256 * 2**20  # = PoolConfig().budget_bytes (not imported: pool.py imports torch)
     method: str = "auto"
     api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        for name in ("max_batch", "max_queue", "max_items", "max_item_tokens", "max_body_bytes", "max_prefix_tokens"):
+        for name in ("max_batch", "max_queue", "max_items", "max_item_tokens", "max_body_bytes", "max_prefix_tokens",
+                     "cache_budget_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1, not {getattr(self, name)}")
         if self.max_wait_ms < 0:

@@ -1,0 +1,244 @@
+"""The HTTP service with extraction tasks (POST /v1/extract) and its prefix pool (/metrics pool series).
+
+Every test starts a real uvicorn server on a free loopback port with the tiny
+in-process model (the helpers come from ``test_server``). A random model's
+extractions are gibberish, so these tests check shape, ids, usage and routing,
+and that every result equals what the extraction engine returns for the same
+record when called directly.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from importlib import resources
+
+import pytest
+
+from prefixcache.extract import Extractor
+from prefixcache.pool import PoolConfig, PrefixPool
+from prefixcache.runner import Classifier, Record, RunConfig
+from prefixcache.server import ServerSettings
+from prefixcache.task import ExtractTask, load_any_task, parse_task
+
+from conftest import TASK_YAML, TEXTS
+from test_server import TASK, assert_same_prediction, call, metric, metric_samples, serving
+
+EXTRACT = "tiny-fields"
+EXTRACT_YAML = """\
+name: tiny-fields
+kind: extract
+instruction: Extract the fields from the support ticket.
+fields:
+  product: the product the ticket is about
+  sentiment: positive, neutral or negative
+examples:
+  - text: I was charged twice this month
+    fields: {product: null, sentiment: negative}
+  - text: The app crashes on start
+    fields: {product: app, sentiment: negative}
+input_template: "Ticket: {text}"
+max_new_tokens: 8
+"""
+YAML_HEADERS = {"Content-Type": "application/yaml"}
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from conftest import tiny_loaded
+
+    return tiny_loaded("llama")
+
+
+@pytest.fixture(scope="module")
+def extract_task() -> ExtractTask:
+    return parse_task(EXTRACT_YAML, "tiny-fields.yaml", kinds=("extract",))
+
+
+def engine_results(loaded, task, records) -> list[dict]:
+    """What the extraction engine itself returns for ``records``, one record at a time over its own prefix."""
+    return [e.to_json() for e in Extractor(loaded, task).extract_all(records, RunConfig("cached", 1))]
+
+
+def expected_usage(loaded, task, records) -> dict:
+    prompt = Extractor(loaded, task).prompt
+    encoded = prompt.encode(loaded.tokenizer, [prompt.suffix_text(r.fields, r.id) for r in records])
+    reused = sum(len(prompt.prefix_ids) for e in encoded if e.suffix_ids is not None)
+    computed = sum(len(e.full_ids if e.suffix_ids is None else e.suffix_ids) for e in encoded)
+    return {"prefix_tokens_reused": reused, "suffix_tokens": computed}
+
+
+# --- /v1/extract -----------------------------------------------------------------------------------
+
+
+def test_extract_equals_the_engine_and_concurrent_requests_are_merged(loaded, extract_task):
+    records = [Record(f"e{i}", {"text": TEXTS[i % len(TEXTS)] + f" (order {i})"}) for i in range(12)]
+    reference = {r["id"]: r for r in engine_results(loaded, extract_task, records)}
+    requests = [records[i : i + 1 + i % 2] for i in range(0, len(records), 2)]  # 1 or 2 items each
+    answers: list = [None] * len(requests)
+
+    with serving(loaded, [extract_task], max_batch=8, max_wait_ms=300) as server:
+        barrier = threading.Barrier(len(requests))
+
+        def client(n):
+            items = [{"id": r.id, "text": r.fields["text"]} for r in requests[n]]
+            barrier.wait()
+            answers[n] = call(server, "POST", "/v1/extract", {"task": EXTRACT, "items": items})
+
+        threads = [threading.Thread(target=client, args=(n,)) for n in range(len(requests))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        samples = metric_samples(server)
+
+    for n, (status, _, body) in enumerate(answers):
+        assert status == 200, f"request {n}: {status} {body}"
+        assert [r["id"] for r in body["results"]] == [r.id for r in requests[n]], f"request {n}: results out of order"
+        for result in body["results"]:
+            assert set(result) == {"id", "fields", "raw", "error"}
+            assert result == reference[result["id"]], f"request {n}: {result} != the engine's {reference[result['id']]}"
+        assert body["usage"] == expected_usage(loaded, extract_task, requests[n])
+    items = sum(len(r) for r in requests)
+    passes = metric(samples, "prefixcache_batch_size_count", task=EXTRACT)
+    assert metric(samples, "prefixcache_batch_size_sum", task=EXTRACT) == items
+    assert metric(samples, "prefixcache_items_total", task=EXTRACT, kind="extract") == items
+    assert passes < items / 2, f"{items} items took {passes} passes: concurrent extraction requests were not merged"
+
+
+def test_extract_string_items_default_ids_and_item_errors(loaded, extract_task):
+    items = ["refund me", {"id": "x7", "text": "crash"}, {"text": "hi"}]
+    records = [Record(0, {"text": "refund me"}), Record("x7", {"text": "crash"}), Record(2, {"text": "hi"})]
+    with serving(loaded, [extract_task]) as server:
+        status, _, body = call(server, "POST", "/v1/extract", {"task": EXTRACT, "items": items})
+        missing = call(server, "POST", "/v1/extract", {"task": EXTRACT, "items": ["ok", {"id": "b", "body": "no text"}]})
+        too_long = call(server, "POST", "/v1/extract", {"task": EXTRACT, "items": ["ok", "word " * 600]})
+    assert status == 200, body
+    assert [r["id"] for r in body["results"]] == [0, "x7", 2]
+    assert body["results"] == engine_results(loaded, extract_task, records)
+    assert body["usage"] == expected_usage(loaded, extract_task, records) and body["usage"]["prefix_tokens_reused"] > 0
+    assert missing[0] == 422 and missing[2]["item"] == 1 and "'text'" in missing[2]["detail"], missing
+    assert too_long[0] == 422 and too_long[2]["item"] == 1 and "max_item_tokens" in too_long[2]["detail"], too_long
+
+
+def test_wrong_endpoint_is_a_clear_422_both_ways(loaded, task, extract_task):
+    ticket_fields = load_any_task("ticket-fields")  # what `prefixcache serve --task ticket-fields` loads
+    with serving(loaded, [task, extract_task, ticket_fields]) as server:
+        to_classify = call(server, "POST", "/v1/classify", {"task": EXTRACT, "items": ["x"]})
+        to_extract = call(server, "POST", "/v1/extract", {"task": TASK, "items": ["x"]})
+        unknown = call(server, "POST", "/v1/extract", {"task": "nope", "items": ["x"]})
+        listed = call(server, "GET", "/v1/tasks")[2]["tasks"]
+        bundled = call(server, "POST", "/v1/extract", {"task": "ticket-fields", "items": [{"id": "t1", "text": "Order A-7 is late"}]})
+    status, _, body = to_classify
+    assert status == 422 and f"'{EXTRACT}'" in body["detail"] and "not a classification task" in body["detail"], body
+    assert "/v1/extract" in body["detail"]
+    status, _, body = to_extract
+    assert status == 422 and f"'{TASK}'" in body["detail"] and "not an extraction task" in body["detail"], body
+    assert "/v1/classify" in body["detail"]
+    assert unknown[0] == 404 and "'nope'" in unknown[2]["detail"]
+
+    info = {t["name"]: t for t in listed}
+    assert [t["name"] for t in listed] == ["ticket-fields", EXTRACT, TASK]
+    assert info[TASK]["kind"] == "classify" and info[TASK]["labels"] == ["billing", "technical", "account"]
+    assert info[EXTRACT]["kind"] == "extract" and info[EXTRACT]["fields"] == ["product", "sentiment"]
+    assert info[EXTRACT]["labels"] == [] and info[EXTRACT]["input_fields"] == ["text"]
+    assert info[EXTRACT]["max_new_tokens"] == 8 and info[EXTRACT]["prefix_tokens"] > 0 and info[EXTRACT]["prefix_bytes"] > 0
+    assert info["ticket-fields"]["fields"] == ["order_id", "product", "sentiment"]
+    status, _, body = bundled
+    assert status == 200, body
+    assert body["results"] == engine_results(loaded, ticket_fields, [Record("t1", {"text": "Order A-7 is late"})])
+
+
+# --- registering extraction tasks ------------------------------------------------------------------
+
+
+def test_register_replace_and_delete_an_extract_task(loaded, task, extract_task):
+    other = extract_task.model_copy(update={"name": "tiny-other"})
+    with serving(loaded, [task]) as server:
+        status, _, info = call(
+            server, "PUT", "/v1/tasks/tiny-other", raw=EXTRACT_YAML.replace(EXTRACT, "tiny-other").encode(), headers=YAML_HEADERS
+        )
+        assert status == 201, info
+        assert info["kind"] == "extract" and info["fields"] == ["product", "sentiment"] and info["prefix_tokens"] > 0
+        status, _, body = call(server, "POST", "/v1/extract", {"task": "tiny-other", "items": ["my laptop broke", "thanks"]})
+        assert status == 200, body
+        assert body["results"] == engine_results(loaded, other, [Record(0, {"text": "my laptop broke"}), Record(1, {"text": "thanks"})])
+        assert call(server, "POST", "/v1/classify", {"task": "tiny-other", "items": ["x"]})[0] == 422
+
+        replacement = json.dumps({
+            "name": "tiny-other", "kind": "extract", "instruction": "Extract the order id.",
+            "fields": {"order_id": "the order number, else null"}, "max_new_tokens": 4,
+        })
+        status, _, info = call(server, "PUT", "/v1/tasks/tiny-other", raw=replacement.encode(), headers={"Content-Type": "application/json"})
+        assert status == 200 and info["fields"] == ["order_id"] and info["max_new_tokens"] == 4, info
+        status, _, body = call(server, "POST", "/v1/extract", {"task": "tiny-other", "items": ["order A-1"]})
+        assert status == 200 and body["results"] == engine_results(loaded, parse_task(replacement, kinds=("extract",)), [Record(0, {"text": "order A-1"})])
+
+        bad = EXTRACT_YAML.replace(EXTRACT, "tiny-bad").replace("fields: {product: app, sentiment: negative}", "fields: {product: app}")
+        status, _, body = call(server, "PUT", "/v1/tasks/tiny-bad", raw=bad.encode(), headers=YAML_HEADERS)
+        assert status == 422 and "upload:tiny-bad" in body["detail"] and "sentiment" in body["detail"], body
+
+        assert call(server, "DELETE", "/v1/tasks/tiny-other")[0] == 204
+        assert call(server, "POST", "/v1/extract", {"task": "tiny-other", "items": ["x"]})[0] == 404
+        assert [t["name"] for t in call(server, "GET", "/v1/tasks")[2]["tasks"]] == [TASK]
+
+
+# --- the prefix pool -------------------------------------------------------------------------------
+
+
+def test_settings_default_budget_is_the_pools():
+    assert ServerSettings().cache_budget_bytes == PoolConfig().budget_bytes
+
+
+def test_pool_metrics_evictions_and_budget(loaded, task, extract_task):
+    """A budget that holds one prefix at a time: tasks evict each other and are rebuilt on use, exactly."""
+    pool = PrefixPool()
+    classify_bytes = pool.size_of(loaded, len(Classifier(loaded, task).prompt.prefix_ids))
+    extract_bytes = pool.size_of(loaded, len(Extractor(loaded, extract_task).prompt.prefix_ids))
+    budget = max(classify_bytes, extract_bytes)
+    records = [Record(0, {"text": "refund my money"}), Record(1, {"text": "crash"})]
+    reference = Classifier(loaded, task).classify_all(records, RunConfig("cached", 1))
+
+    with serving(loaded, [task, extract_task], cache_budget_bytes=budget) as server:
+        start = metric_samples(server)  # built the classify prefix, then evicted it for the extract one
+        first = call(server, "POST", "/v1/classify", {"task": TASK, "items": ["refund my money", "crash"]})  # rebuilt
+        second = call(server, "POST", "/v1/classify", {"task": TASK, "items": ["refund my money", "crash"]})  # held
+        extracted = call(server, "POST", "/v1/extract", {"task": EXTRACT, "items": ["crash"]})  # rebuilt again
+        samples = metric_samples(server)
+        too_big = call(
+            server, "PUT", "/v1/tasks/ticket-fields", headers=YAML_HEADERS,
+            raw=(resources.files("prefixcache.tasks") / "ticket-fields.yaml").read_bytes(),
+        )
+
+    assert metric(start, "prefixcache_pool_misses_total") == 2 and metric(start, "prefixcache_pool_evictions_total") == 1
+    assert metric(start, "prefixcache_pool_bytes") == extract_bytes and metric(start, "prefixcache_pool_entries") == 1
+    for status, _, body in (first, second):
+        assert status == 200, body
+        for result, want in zip(body["results"], reference):
+            assert_same_prediction(result, want, "after an eviction")
+    assert extracted[0] == 200 and extracted[2]["results"] == engine_results(loaded, extract_task, [Record(0, {"text": "crash"})])
+    assert metric(samples, "prefixcache_pool_misses_total") == 4
+    assert metric(samples, "prefixcache_pool_hits_total") == 1
+    assert metric(samples, "prefixcache_pool_evictions_total") == 3
+    assert metric(samples, "prefixcache_pool_bytes") == extract_bytes <= budget
+    assert metric(samples, "prefixcache_pool_budget_bytes") == budget
+    assert metric(samples, "prefixcache_pool_entries") == 1 and metric(samples, "prefixcache_pool_pinned") == 0
+    assert metric(samples, "prefixcache_pool_prefill_tokens_saved_total") > 0
+    assert metric(samples, "prefixcache_pool_prefill_tokens_computed_total") > 0
+    status, _, body = too_big
+    assert status == 422 and "'ticket-fields'" in body["detail"] and "budget" in body["detail"], body
+
+
+def test_deleting_a_pinned_task_unpins_its_prefix(loaded, task):
+    pinned = TASK_YAML.replace("name: tiny-tickets", "name: tiny-pinned") + "pin: true\n"
+    with serving(loaded, [task]) as server:
+        assert call(server, "PUT", "/v1/tasks/tiny-pinned", raw=pinned.encode(), headers=YAML_HEADERS)[0] == 201
+        held = metric_samples(server)
+        assert call(server, "DELETE", "/v1/tasks/tiny-pinned")[0] == 204
+        deadline = time.monotonic() + 10
+        while metric(samples := metric_samples(server), "prefixcache_pool_pinned") and time.monotonic() < deadline:
+            time.sleep(0.05)  # the unpin runs on the model thread, after the DELETE answered
+    assert metric(held, "prefixcache_pool_pinned") == 1
+    assert metric(held, "prefixcache_pool_hits_total") == 1, "the same prefix tokens share one pool entry"
+    assert metric(samples, "prefixcache_pool_pinned") == 0 and metric(samples, "prefixcache_pool_entries") == 1
