@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from .attention import use_shared_prefix_attention
 from .kv import ForkedCache, PrefixKV
 from .scoring import LabelHead
 
@@ -65,6 +66,7 @@ def forward_rows(
     Returns:
         hidden ``[B, T, H]``. Rows never see each other; pads are never attended to by real tokens.
     """
+    use_shared_prefix_attention(model)
     width = ids.shape[1]
     positions = start[:, None] + torch.arange(width, device=ids.device)[None, :]  # [B, T]
     attention = torch.cat([past_mask, mask], dim=1)  # [B, K + T]

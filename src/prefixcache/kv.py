@@ -6,9 +6,9 @@ tokens for batch size 1. It is never written after it is built.
 A batch does not copy the prefix. :meth:`PrefixKV.fork` returns a
 :class:`ForkedCache`, a transformers ``Cache`` whose layers keep the shared
 prefix tensors by reference and store only the batch's *own* tokens. On every
-attention call a layer returns ``cat(prefix.expand(B), own)``: a transient
-tensor for that one layer, freed before the next, so memory held per batch is
-``B x own_tokens``, never ``B x prefix``.
+attention call a layer hands the attention a :class:`~prefixcache.attention.SharedKV`
+(prefix + own), and :mod:`prefixcache.attention` reads the single prefix copy
+for all rows: neither memory nor work per batch ever holds ``B x prefix``.
 
 Forks of one prefix are independent: each has its own suffix state, so any
 number of them (threads, requests, label continuations) can run at once
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from .attention import SharedKV, use_shared_prefix_attention
 from .errors import PromptError
 
 
@@ -123,6 +124,7 @@ class PrefixKV:
         ids = torch.tensor([list(tail_ids)], device=device)  # [1, T]
         positions = torch.arange(self.length, self.length + ids.shape[1], device=device)[None, :]  # [1, T]
         cache = self.fork(1)
+        use_shared_prefix_attention(model)
         model.base_model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
         keys = tuple(torch.cat([layer.prefix_keys, layer.keys], dim=-2) for layer in cache.layers)  # [1, kv, P+T, d]
         values = tuple(torch.cat([layer.prefix_values, layer.values], dim=-2) for layer in cache.layers)
@@ -202,10 +204,7 @@ class _ForkLayer(DynamicLayer):
             self.values = torch.cat([self.values, value_states], dim=-2)
         else:
             self.keys, self.values, self.is_initialized = key_states, value_states, True
-        batch = self.batch_size
-        full_keys = torch.cat([self.prefix_keys.expand(batch, -1, -1, -1), self.keys], dim=-2)
-        full_values = torch.cat([self.prefix_values.expand(batch, -1, -1, -1), self.values], dim=-2)
-        return full_keys, full_values  # [B, kv_heads, P + S_own, head_dim], transient
+        return SharedKV(self.prefix_keys, self.keys), SharedKV(self.prefix_values, self.values)
 
     def own_length(self) -> int:
         return self.keys.shape[-2] if self.is_initialized else 0

@@ -1,0 +1,134 @@
+"""Attention over a shared prefix without copying it per row.
+
+A fork of a :class:`~prefixcache.kv.PrefixKV` hands each attention layer a
+:class:`SharedKV` instead of a key (or value) tensor: the prefix's tensor,
+``[1, kv_heads, P, head_dim]``, shared by every row, plus the batch's own
+tensor, ``[B, kv_heads, S, head_dim]``. :func:`shared_prefix_attention`, the
+model's attention implementation (registered as ``"prefixcache"``), then
+attends in two parts and merges them exactly:
+
+* prefix part: every query of every row (and every head of a kv group) is
+  folded into one long query sequence against the single prefix copy, so the
+  prefix is read once per layer, never expanded to ``B x P``;
+* own part: each row against its own tokens, under the causal/padding mask;
+* merge: ``softmax`` over the concatenated keys equals the two partial
+  softmaxes weighted by their log-sum-exps.
+
+Every row attends to the whole prefix (the contract of a fork); the mask the
+model builds is consulted only for the own tokens. Ordinary key tensors (a
+``DynamicCache`` building a prefix, or no cache) go to transformers' SDPA path
+unchanged. A :class:`SharedKV` reaching any other attention implementation
+fails loudly instead of silently dropping the prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "prefixcache"
+
+
+@dataclass(frozen=True)
+class SharedKV:
+    """Keys (or values) of one layer for a batch: the shared prefix and the rows' own tokens."""
+
+    prefix: torch.Tensor  # [1, kv_heads, P, head_dim], read-only
+    own: torch.Tensor  # [B, kv_heads, S, head_dim]
+
+
+def use_shared_prefix_attention(model: torch.nn.Module) -> None:
+    """Make ``model`` attend through :func:`shared_prefix_attention` (idempotent, cheap)."""
+    if model.config._attn_implementation != NAME:
+        model.set_attn_implementation(NAME)
+
+
+def shared_prefix_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor | SharedKV,
+    value: torch.Tensor | SharedKV,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function. Returns ``([B, T, heads, head_dim], None)``.
+
+    Args:
+        query: ``[B, heads, T, head_dim]``.
+        key, value: a :class:`SharedKV`, or plain ``[B, kv_heads, K, head_dim]`` tensors (SDPA path).
+        attention_mask: boolean ``[B, 1, T, P + S]`` (True = attend) or None (causal).
+    """
+    if not isinstance(key, SharedKV):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    batch, heads, width, head_dim = query.shape
+    prefix_len, own_len = key.prefix.shape[-2], key.own.shape[-2]
+    groups = heads // key.own.shape[1]
+    scale = head_dim**-0.5 if scaling is None else scaling
+
+    own_mask = _own_mask(attention_mask, prefix_len, width, own_len, query.device)  # [B, 1, T, S]
+    out, lse = _attend(query, repeat_kv(key.own, groups), repeat_kv(value.own, groups), own_mask, scale)
+    if prefix_len:
+        kv_heads = key.prefix.shape[1]
+        folded = query.view(batch, kv_heads, groups, width, head_dim).transpose(0, 1)  # [kv, B, g, T, d]
+        folded = folded.reshape(1, kv_heads, batch * groups * width, head_dim)  # [1, kv, B*g*T, d]
+        out_p, lse_p = _attend(folded, key.prefix, value.prefix, None, scale)
+        out_p = out_p.view(kv_heads, batch, groups, width, head_dim).transpose(0, 1).reshape(query.shape)
+        lse_p = lse_p.view(kv_heads, batch, groups, width).transpose(0, 1).reshape(batch, heads, width)
+        out, lse = _merge(out, lse, out_p, lse_p)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _own_mask(mask: torch.Tensor | None, prefix_len: int, width: int, own_len: int, device) -> torch.Tensor:
+    """The own-token columns of the model's mask, or a causal mask aligned to the last query. ``[B|1, 1, T, S]``."""
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise TypeError("prefixcache attention expects a boolean mask (sdpa format)")
+        return mask[..., prefix_len:]
+    query_pos = torch.arange(own_len - width, own_len, device=device)[:, None]  # [T, 1]
+    return (torch.arange(own_len, device=device)[None, :] <= query_pos)[None, None]
+
+
+def _attend(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention returning ``(out [.., L, d], lse [.., L] float32)``; rows with no visible key get lse -inf."""
+    if q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return _attend_cpu_flash(q, k, v, mask, scale)
+    return _attend_eager(q, k, v, mask, scale)
+
+
+def _attend_cpu_flash(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's fused CPU kernel, which also returns the log-sum-exp (it needs an additive mask in q's dtype)."""
+    additive = None
+    if mask is not None:
+        additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=additive, scale=scale)
+    if mask is not None:  # the kernel reports lse 0 for a row with no visible key
+        lse = lse.masked_fill(~mask.any(-1).expand(lse.shape), float("-inf"))
+    return out, lse
+
+
+def _attend_eager(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain matmul/softmax attention for other devices (materializes ``[.., L, K]`` scores in float32)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [.., L, K]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [.., L]
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    return torch.matmul(probs.to(v.dtype), v), lse
+
+
+def _merge(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial softmax attentions over disjoint key sets (float32)."""
+    lse = torch.logaddexp(lse_a, lse_b)  # [B, H, T]
+    weight_a = torch.exp(lse_a - lse)[..., None]
+    weight_b = torch.exp(lse_b - lse)[..., None]
+    return out_a.float() * weight_a + out_b.float() * weight_b, lse
+
+
+AttentionInterface.register(NAME, shared_prefix_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)

@@ -1,0 +1,56 @@
+"""The shared-prefix attention equals plain attention over the concatenated sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixcache.attention import _attend_cpu_flash, _attend_eager
+from prefixcache.engine import empty_prefix, forward_rows, pad_rows
+from prefixcache.kv import PrefixKV
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    prefix_len=st.integers(0, 24),
+    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5),
+    seed=st.integers(0, 2**31),
+)
+def test_fork_hidden_states_equal_plain_forward(tiny, prefix_len, lengths, seed):
+    model = tiny.model
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    prefix_ids = torch.randint(3, vocab, (prefix_len,), generator=gen).tolist()
+    rows = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+    prefix = PrefixKV.build(model, prefix_ids) if prefix_ids else empty_prefix(model)
+    ids, mask, _ = pad_rows(rows, torch.device("cpu"))  # [B, S]
+    batch = len(rows)
+    with torch.inference_mode():
+        hidden = forward_rows(
+            model,
+            prefix.fork(batch),
+            ids,
+            mask,
+            torch.full((batch,), prefix_len),
+            torch.ones(batch, prefix_len, dtype=torch.bool),
+        )  # [B, S, H]
+        for i, row in enumerate(rows):
+            whole = torch.tensor([prefix_ids + row])  # [1, P + n], no cache: transformers' own SDPA path
+            ref = model.base_model(input_ids=whole).last_hidden_state[0, prefix_len:]  # [n, H]
+            torch.testing.assert_close(hidden[i, : len(row)], ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_and_eager_partial_attention_agree_including_empty_rows(dtype):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 16, generator=gen).to(dtype) for n in (5, 7, 7))
+    mask = torch.ones(2, 1, 5, 7, dtype=torch.bool).tril(2)
+    mask[1, 0, 3] = False  # a query that sees nothing
+    out_f, lse_f = _attend_cpu_flash(q, k, v, mask, 0.25)
+    out_e, lse_e = _attend_eager(q, k, v, mask, 0.25)
+    assert torch.isneginf(lse_f[1, :, 3]).all() and torch.isneginf(lse_e[1, :, 3]).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(lse_f, lse_e, atol=tol, rtol=tol)
+    torch.testing.assert_close(out_f.float(), out_e.float(), atol=tol, rtol=tol)
