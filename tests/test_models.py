@@ -46,3 +46,22 @@ def test_dtype_resolution():
     assert resolve_dtype("auto", cpu) in (torch.float32, torch.bfloat16)
     with pytest.raises(ValueError):
         resolve_dtype("int3", cpu)
+
+
+@pytest.mark.parametrize("spec", ["/nonexistent/model", "./no-such-model", "~/no-such-model", "a/b/c"])
+def test_missing_folder_path_says_the_folder_does_not_exist(spec):
+    with pytest.raises(ModelNotFoundError, match="no such model folder") as info:
+        local_source(spec)
+    assert "does not exist" in str(info.value) and spec in str(info.value)
+
+
+def test_a_file_that_is_not_a_gguf_is_not_a_model(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"")
+    with pytest.raises(ModelNotFoundError, match="is a file, not a model folder"):
+        local_source(str(path))
+
+
+def test_an_invalid_hub_id_is_a_model_not_found_error():
+    with pytest.raises(ModelNotFoundError, match="nor a valid Hugging Face id"):
+        local_source("no such model!")

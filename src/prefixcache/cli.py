@@ -102,7 +102,8 @@ def _progress(total: Optional[int], desc: str):
 @app.command()
 @boundary
 def classify(
-    input: str = typer.Argument(..., help="Input .csv, .jsonl, .parquet, or - for JSONL on stdin."),
+    ctx: typer.Context,
+    input: str = typer.Argument(..., help="Input .csv, .jsonl, .parquet (with --ray also a folder or URI), or - for JSONL on stdin."),
     task: str = TaskOpt,
     model: str = ModelOpt,
     mode: str = ModeOpt,
@@ -110,9 +111,9 @@ def classify(
     method: str = MethodOpt,
     text_field: str = TextFieldOpt,
     id_field: Optional[str] = IdFieldOpt,
-    out_path: Optional[Path] = typer.Option(None, "--out", help="Output JSONL (default: stdout)."),
+    out_path: Optional[Path] = typer.Option(None, "--out", help="Output JSONL (default: stdout); with --ray a folder for JSONL parts."),
     dtype: str = DtypeOpt,
-    threads: Optional[int] = ThreadsOpt,
+    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores; with --ray per worker, default 1)."),
     cache_budget: Optional[str] = CacheBudgetOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
     kv_storage: str = KVStorageOpt,
@@ -122,19 +123,29 @@ def classify(
     resume: bool = typer.Option(False, "--resume", help="Continue the job in --out: keep its complete lines, run the rest."),
     window: int = typer.Option(DEFAULTS.window, "--window", min=1, help="Records length-sorted and written together; "
                                "with --out, the unit that is flushed and fsynced (a kill loses at most one)."),
+    ray: bool = typer.Option(False, "--ray", help="Run on a pool of Ray actors (needs the 'ray' extra); see docs/scale-out.md."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --ray: a running cluster (auto, HOST:6379, "
+                                              "ray://HOST:10001); default: start a local Ray."),
+    workers: int = typer.Option(2, "--workers", min=1, help="With --ray: worker processes, each with its own model and prefix."),
+    num_gpus: float = typer.Option(0.0, "--num-gpus", min=0, help="With --ray: GPUs per worker (a fraction shares one)."),
 ):
     """Classify every record; write one JSON line per record: id, label, scores, margin (or error).
 
     Exit code 0: all classified; 1: some record failed (its line has "error"); 2: stopped (bad usage, an
     unreadable file, or --on-error fail). With --out --resume a killed job continues where it stopped.
+    With --ray the records are read and classified on Ray workers; --out then names a folder of parts.
     """
     from .fit import OVERFLOW
     from .resume import ON_ERROR, Recovered, check_matches, recover, write_predictions
 
-    if resume and out_path is None:
-        raise typer.BadParameter("--resume needs --out: the output file is what it resumes")
     config = RunConfig(_choice(mode, MODES, "--mode"), batch_size, window, _choice(overflow, OVERFLOW, "--overflow"))
     policy = _choice(on_error, ON_ERROR, "--on-error")
+    _check_ray_options(ctx, ray, input, policy)
+    if ray:
+        return _classify_on_ray(input, task, model, config, method, text_field, id_field, out_path, dtype, threads,
+                                cache_dir, ray_address, workers, num_gpus)
+    if resume and out_path is None:
+        raise typer.BadParameter("--resume needs --out: the output file is what it resumes")
     records = list(data.scan_records(input, text_field, id_field))
     done = recover(out_path) if resume else Recovered()
     check_matches(done, records, out_path)
@@ -154,6 +165,62 @@ def classify(
     )
     _report_pool(classifier.pool)
     if done.failed + written.failed:
+        raise typer.Exit(1)
+
+
+RAY_ONLY = ("ray_address", "workers", "num_gpus")  # classify options that mean something only with --ray
+NOT_WITH_RAY = {  # classify options that a Ray run cannot honour, and why
+    "resume": "a Ray run writes a new folder of parts; rerun into a new --out folder",
+    "window": "Ray workers are handed 4 x --batch-size rows per call; there is no output window to flush",
+    "cache_budget": "each Ray worker keeps the one prefix it needs; --cache-dir shares it between workers",
+    "kv_storage": "Ray workers store their prefix in float",
+    "eviction": "each Ray worker keeps the one prefix it needs",
+}
+
+
+def _flag(ctx: typer.Context, name: str) -> str:
+    return next(p.opts[0] for p in ctx.command.params if p.name == name)
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether the option was set by the user (command line or environment), not left at its default."""
+    source = ctx.get_parameter_source(name)  # a ParameterSource of click, or of the click that typer vendors
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+
+
+def _check_ray_options(ctx: typer.Context, ray: bool, input: str, on_error: str) -> None:
+    """Refuse option combinations that mean nothing with (or without) ``--ray``, naming the options."""
+    if not ray:
+        given = [_flag(ctx, name) for name in RAY_ONLY if _given(ctx, name)]
+        if given:
+            verb, them = ("needs", "it") if len(given) == 1 else ("need", "them")
+            raise typer.BadParameter(f"{', '.join(given)} {verb} --ray: add --ray, or drop {them} for a local run")
+        return
+    for name, why in NOT_WITH_RAY.items():
+        if _given(ctx, name):
+            raise typer.BadParameter(f"{_flag(ctx, name)} does not work with --ray: {why}")
+    if on_error == "fail":
+        raise typer.BadParameter("--on-error fail does not work with --ray: a failed record becomes an error line "
+                                 "(as with --on-error skip) and the exit code is 1")
+    if input == "-":
+        raise typer.BadParameter("--ray reads files, not stdin: write the input to a .jsonl file and pass its path")
+
+
+def _classify_on_ray(input, task, model, config, method, text_field, id_field, out_path, dtype, threads, cache_dir,
+                     ray_address, workers, num_gpus) -> None:
+    """``classify --ray``: the job is :func:`prefixcache.dist.run_ray_classify`; it prints the summary
+    (items/s per worker and in total) through ``log``, on standard error, and the exit code follows its errors."""
+    from .dist import run_ray_classify
+
+    def log(line: str) -> None:
+        err.print(line, markup=False, highlight=False, soft_wrap=True)  # unwrapped: the summary is a table
+
+    summary = run_ray_classify(
+        input, out_path, task, model, workers, ray_address, num_gpus, config.batch_size, text_field, id_field,
+        _choice(dtype, DTYPE_CHOICES, "--dtype"), threads, log,
+        method=_choice(method, METHODS, "--method"), mode=config.mode, overflow=config.overflow, cache_dir=cache_dir,
+    )
+    if summary.errors:
         raise typer.Exit(1)
 
 

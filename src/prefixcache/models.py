@@ -210,6 +210,16 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+def _is_path(spec: str) -> bool:
+    """Whether ``spec`` can only be a local path, never a Hugging Face id (``namespace/name``)."""
+    return (
+        os.path.isabs(spec)
+        or spec.startswith(("./", "../", "~"))
+        or spec.endswith(("/", os.sep))
+        or spec.count("/") > 1
+    )
+
+
 def _hub_or_folder(spec: str) -> tuple[str, str]:
     """Return (path-or-id to load, identity). Fails fast and clearly when offline and uncached."""
     folder = Path(spec).expanduser()
@@ -217,9 +227,23 @@ def _hub_or_folder(spec: str) -> tuple[str, str]:
         if not (folder / "config.json").is_file():
             raise ModelNotFoundError(f"{folder} is a folder but holds no config.json; pass a Hugging Face model folder")
         return str(folder), f"folder:{folder.resolve()}"
+    if _is_path(spec):
+        if folder.exists():
+            raise ModelNotFoundError(f"{spec} is a file, not a model folder; pass a Hugging Face model folder or a .gguf file")
+        raise ModelNotFoundError(
+            f"{spec}: no such model folder (the folder does not exist); pass an existing Hugging Face "
+            f"model folder, a .gguf path, or the embedded model: --model {DEFAULT_MODEL}"
+        )
     from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError
 
-    cached = try_to_load_from_cache(spec, "config.json")
+    try:
+        cached = try_to_load_from_cache(spec, "config.json")
+    except HFValidationError:
+        raise ModelNotFoundError(
+            f"{spec!r} is neither a folder here nor a valid Hugging Face id (namespace/name); pass an existing "
+            f"model folder, a .gguf path, a Hugging Face id, or the embedded model: --model {DEFAULT_MODEL}"
+        ) from None
     if isinstance(cached, str):
         revision = Path(cached).parent.name
         return spec, f"hf:{spec}@{revision}"
