@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from prefixcache.bench import Lane, matmul_peak_gflops, nonembedding_params, run_lanes
+from prefixcache.bench import Lane, matmul_peak_gflops, near_tie_ids, nonembedding_params, run_lanes
 from prefixcache.cli import app
 from prefixcache.runner import Prediction, Record, RunStats
 from prefixcache.scoring import LabelScores
@@ -80,9 +80,34 @@ def test_run_lanes_ratios_and_near_ties():
     report = run_lanes([lane("full", (-0.1, -2.0), 100), lane("tie", (-0.6931, -0.6932), 10)], records, {"float32": 1e9})
     full, tie = report.results
     assert full.speedup_vs_full == pytest.approx(1.0)
-    assert tie.label_agreement == 1.0 and tie.near_ties == 4 and full.near_ties == 0
+    assert tie.label_agreement == 1.0 and full.near_ties == 0
+    # drift 1.3 >= half the reference margin 1.9: every record is within noise
+    assert tie.near_ties == 4 and tie.disagreements_outside_ties == 0
     assert tie.gflop == pytest.approx(10.0) and full.gflop == pytest.approx(100.0)
     assert tie.pct_of_peak is not None and tie.pct_of_peak > 0
+
+
+def test_near_ties_scale_with_the_lanes_measured_drift():
+    records = [Record(i, {"text": "x"}) for i in range(3)]
+    margins = {0: 0.01, 1: 0.3, 2: 5.0}  # reference log-prob gaps
+
+    def lane(name, shift):
+        def run(recs):
+            return [_pred(r.id, (0.0, -margins[r.id])) if shift is None else _pred(r.id, shift(r.id)) for r in recs], RunStats()
+
+        return Lane(name, "bfloat16", 1, run)
+
+    # the candidate drifts by 0.02 everywhere and flips record 0 (margin 0.01 <= 2 * 0.02): a near tie
+    flips = lambda i: (-0.015, 0.0) if i == 0 else (-0.02, -margins[i])
+    quiet, = run_lanes([lane("full", None), lane("quiet", flips)], records).results[1:]
+    assert quiet.max_abs_logprob_diff == pytest.approx(0.02)
+    assert quiet.label_agreement == pytest.approx(2 / 3)
+    assert quiet.near_ties == 1 and quiet.disagreements_outside_ties == 0
+    # a lane that flips record 2 (margin 5.0) with drift 5.5: now every record is within its noise
+    wild = lambda i: (-5.5, 0.0) if i == 2 else (0.0, -margins[i])
+    bad, = run_lanes([lane("full", None), lane("wild", wild)], records).results[1:]
+    assert bad.near_ties == 3 and bad.disagreements_outside_ties == 0
+    assert near_tie_ids([_pred(0, (0.0, -0.5))], 0.0) == set()
 
 
 def test_nonembedding_params_excludes_tied_embedding():

@@ -39,6 +39,7 @@ class ModeResult:
     gflop: float = 0.0
     pct_of_peak: float | None = None
     near_ties: int = 0
+    disagreements_outside_ties: int = 0
 
     @property
     def ms_per_item(self) -> float:
@@ -135,12 +136,15 @@ def run_lanes(
     lanes: Sequence[Lane],
     records: list[Record],
     peaks: dict[str, float] | None = None,
-    noise: float = 1e-3,
     on_lane: Callable[[str], None] | None = None,
 ) -> BenchReport:
     """Run every lane on ``records``; the first is the reference.
 
-    ``noise``: a record whose top-two margin is below it in a lane counts as a near tie there.
+    Near ties scale with each lane's own numerical noise: with ``d`` the lane's max
+    |Δ log-prob| against the reference, a record is a near tie when the reference's
+    top-two log-prob margin is at most ``2 d`` (moving both labels by ``d`` could swap
+    them). A disagreement outside the near ties cannot be noise, so the figure
+    ``disagreements_outside_ties`` is expected to be 0.
     """
     peaks = dict(peaks or {})
     results, outputs = [], {}
@@ -156,6 +160,7 @@ def run_lanes(
         if reference is None:
             reference, ref_seconds = predictions, seconds
         agreement = compare(reference, predictions)
+        ties = near_tie_ids(reference, 2 * agreement.max_abs_logprob_diff)
         gflop = lane.gflop_per_token * stats.tokens_computed + lane.head_gflop_per_record * len(records)
         peak = peaks.get(lane.dtype)
         outputs[lane.name] = predictions
@@ -172,10 +177,18 @@ def run_lanes(
                 stats.tokens_computed,
                 gflop,
                 100 * gflop / seconds / peak if peak and gflop else None,
-                sum(1 for p in predictions if p.scores is not None and p.scores.margin < noise),
+                len(ties),
+                len(set(agreement.disagreeing_ids) - ties),
             )
         )
     return BenchReport(results, peaks, outputs)
+
+
+def near_tie_ids(reference: Sequence[Prediction], noise: float) -> set:
+    """Ids of records whose top-two log-prob margin is within ``noise`` (never those with no scores)."""
+    if noise <= 0:
+        return set()
+    return {p.id for p in reference if p.scores is not None and p.scores.margin <= noise}
 
 
 def compare_modes(

@@ -18,7 +18,7 @@ from .runner import Classifier, RunConfig, RunStats
 
 def timing_table(results: list[ModeResult], title: str) -> Table:
     table = Table(title=title)
-    for col in ("mode", "dtype", "B", "items", "s", "ms/item", "items/s", "x full", "agree", "max|Δlp|", "%peak"):
+    for col in ("mode", "dtype", "B", "items", "s", "ms/item", "items/s", "x full", "agree", "max|Δlp|", "ties", "%peak"):
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(
@@ -32,6 +32,7 @@ def timing_table(results: list[ModeResult], title: str) -> Table:
             f"{r.speedup_vs_full:.2f}x",
             f"{100 * r.label_agreement:.1f}%",  # labels equal to the full lane's
             f"{r.max_abs_logprob_diff:.1e}",
+            f"{r.near_ties}" + (f" ({r.disagreements_outside_ties} not)" if r.disagreements_outside_ties else ""),
             f"{r.pct_of_peak:.0f}%" if r.pct_of_peak is not None else "-",
         )
     return table
