@@ -125,5 +125,6 @@ def test_broken_jsonl_names_the_line(model_dir, task_file, tmp_path):
 def test_tasks_and_models_list():
     result = _invoke("tasks")
     assert result.exit_code == 0 and "support-tickets" in result.output
+    assert "ticket-fields" in result.output and "extract" in result.output
     result = _invoke("models")
     assert result.exit_code == 0 and "smollm2-135m" in result.output

@@ -27,7 +27,7 @@ from .pool import POLICIES, PoolConfig
 from .prompt import METHODS
 from .quant import STORAGES
 from .runner import MODES, Classifier, RunConfig, RunStats
-from .task import bundled_task_names, load_task
+from .task import bundled_task_names, load_any_task, load_task
 
 app = typer.Typer(
     add_completion=False,
@@ -278,12 +278,19 @@ def verify(
 @boundary
 def tasks():
     """List the bundled tasks."""
+    from .selection import resolve_examples
+    from .task import ExtractTask
+
     table = Table(title="bundled tasks (pass --task NAME or --task path/to/task.yaml)")
-    for col in ("name", "labels", "examples", "input template"):
+    for col in ("name", "kind", "labels / fields", "examples", "input template"):
         table.add_column(col)
-    for name in bundled_task_names():
-        spec = load_task(name)
-        table.add_row(name, ", ".join(spec.labels), str(len(spec.examples)), spec.input_template)
+    for name in bundled_task_names(kinds=("classify", "extract")):
+        spec = load_any_task(name)
+        if isinstance(spec, ExtractTask):
+            table.add_row(name, "extract", ", ".join(spec.fields), str(len(spec.examples)), spec.input_template)
+        else:
+            shown = len(resolve_examples(spec).examples)
+            table.add_row(name, "classify", ", ".join(spec.labels), str(shown), spec.input_template)
     out.print(table)
 
 
@@ -437,6 +444,7 @@ def serve(
     max_item_tokens: int = typer.Option(512, "--max-item-tokens", min=1, help="Most tokens per item (422 above)."),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", min=1, help="Largest request body (413 above)."),
     max_prefix_tokens: int = typer.Option(8192, "--max-prefix-tokens", min=1, help="Largest prefix of an uploaded task."),
+    cache_budget: Optional[str] = typer.Option(None, "--cache-budget", help="Byte budget of the server's prefix pool, such as 256MB."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run a model repository's own code (only for models you trust)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ):
@@ -444,14 +452,16 @@ def serve(
 
     Needs the 'serve' extra: pip install 'prefixcache[serve]'.
     """
+    from .pool import parse_bytes
     from .server import ServerSettings, run_server
 
     settings = ServerSettings.from_env(
         host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue, max_items=max_items,
         max_item_tokens=max_item_tokens, max_body_bytes=max_body_bytes, max_prefix_tokens=max_prefix_tokens,
         method=_choice(method, METHODS, "--method"),
+        cache_budget_bytes=parse_bytes(cache_budget) if cache_budget else None,
     )
-    specs = [load_task(name) for name in task]
+    specs = [load_any_task(name) for name in task]
     _quiet_transformers()
     started = time.perf_counter()
     loaded = load_model(model, _choice(dtype, DTYPE_CHOICES, "--dtype"), threads, trust_remote_code=trust_remote_code)
