@@ -89,7 +89,23 @@ class TaskRunner(Protocol):
         ...
 
 
-class ClassifyRunner:
+class _PrefixFigures:
+    """``prefix_tokens`` / ``prefix_bytes`` of a runner's stored prefix, remembered when it was first built."""
+
+    def _remember(self, prefix) -> None:
+        self._length = prefix.length
+        self._nbytes = prefix.nbytes
+
+    @property
+    def prefix_tokens(self) -> int:
+        return self._length
+
+    @property
+    def prefix_bytes(self) -> int:
+        return self._nbytes
+
+
+class ClassifyRunner(_PrefixFigures):
     """A classification task on a model: the task's prefix is built (or found in the pool) on construction.
 
     Construct it on the model thread: building the prefix runs the model.
@@ -111,17 +127,9 @@ class ClassifyRunner:
         self.classifier = Classifier(loaded, task, settings.method, pool=pool)
         _check_prefix_limit(task.name, len(self.classifier.prompt.prefix_ids), prefix_limit)
         prefix = self.classifier.prefix  # built (or found in the pool) here; a pool lookup again per pass
-        self._length, self._nbytes = prefix.length, prefix.nbytes
+        self._remember(prefix)
         self.prefix_key = PrefixKey.of(loaded, self.classifier.prompt.prefix_ids)
         self._empty = empty_prefix(loaded.model)
-
-    @property
-    def prefix_tokens(self) -> int:
-        return self._length
-
-    @property
-    def prefix_bytes(self) -> int:
-        return self._nbytes
 
     def describe(self) -> dict:
         return {
@@ -152,7 +160,7 @@ class ClassifyRunner:
         return results  # type: ignore[return-value]  # every slot was filled above
 
 
-class ExtractRunner:
+class ExtractRunner(_PrefixFigures):
     """An extraction task (``kind: extract``) on a model, over :class:`~prefixcache.extract.Extractor`.
 
     ``prepare`` tokenizes exactly like the extractor (to check limits and count usage);
@@ -177,16 +185,8 @@ class ExtractRunner:
         self.extractor = Extractor(loaded, task, pool=pool)
         _check_prefix_limit(task.name, len(self.extractor.prompt.prefix_ids), prefix_limit)
         prefix = self.extractor.prefix  # built (or found in the pool) here; a pool lookup again per pass
-        self._length, self._nbytes = prefix.length, prefix.nbytes
+        self._remember(prefix)
         self.prefix_key = PrefixKey.of(loaded, self.extractor.prompt.prefix_ids)
-
-    @property
-    def prefix_tokens(self) -> int:
-        return self._length
-
-    @property
-    def prefix_bytes(self) -> int:
-        return self._nbytes
 
     def describe(self) -> dict:
         return {
