@@ -30,12 +30,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping
 
-from .engine import empty_prefix
+from .bound import BoundTask
 from .errors import InputError, PromptError
 from .generate import Generation, GenerationConfig, eos_ids_of, generate_rows
 from .kv import PrefixKV
 from .models import LoadedModel
-from .pool import Lookup, PrefixPool
+from .pool import PrefixPool
 from .prompt import SENTINEL, Encoded, _healing_depth
 from .runner import Record, RunConfig
 from .task import ExtractTask
@@ -215,7 +215,7 @@ class _Item:
     error: str | None = None
 
 
-class Extractor:
+class Extractor(BoundTask):
     """An extraction task bound to a model: builds the prompt and prefix once, then extracts from records.
 
     Thread safety: the stored prefix is read-only and every batch uses its own fork.
@@ -228,34 +228,11 @@ class Extractor:
     def __init__(
         self, loaded: LoadedModel, task: ExtractTask, pool: PrefixPool | None = None, max_new_tokens: int | None = None
     ):
-        self.loaded = loaded
-        self.task = task
-        self.pool = pool
         self.prompt = build_extract_prompt(task, loaded.tokenizer)
+        super().__init__(loaded, task, pool)
         self.generation = GenerationConfig(
             max_new_tokens or task.max_new_tokens, tuple(task.stop), eos_ids_of(loaded.model, loaded.tokenizer)
         )
-        self.last_lookup: Lookup | None = None
-        self.prefix_seconds = 0.0
-        self._prefix: PrefixKV | None = None
-        self._empty = empty_prefix(loaded.model)
-
-    @property
-    def prefix(self) -> PrefixKV:
-        """The task's prefix: built on first use, or looked up in the pool on every access.
-
-        Raises:
-            PoolBudgetError: (with a pool) the prefix cannot fit in the pool's budget.
-        """
-        if self.pool is not None:
-            lookup = self.pool.get(self.loaded, self.prompt.prefix_ids, pin=self.task.pin, name=self.task.name)
-            self.last_lookup, self.prefix_seconds = lookup, lookup.seconds
-            return lookup.prefix
-        if self._prefix is None:
-            started = time.perf_counter()
-            self._prefix = PrefixKV.build(self.loaded.model, self.prompt.prefix_ids)
-            self.prefix_seconds = time.perf_counter() - started
-        return self._prefix
 
     def extract(
         self,
@@ -265,19 +242,7 @@ class Extractor:
         stats: ExtractStats | None = None,
     ) -> Iterator[Extraction]:
         """Yield one Extraction per record, in input order."""
-        stats = stats if stats is not None else ExtractStats()
-        prefix = self._empty
-        if config.mode != "full":
-            prefix = self.prefix
-            stats.prefix_seconds = self.prefix_seconds
-        window: list[Record] = []
-        for record in records:
-            window.append(record)
-            if len(window) >= config.window:
-                yield from self._window(window, config, progress, stats, prefix)
-                window = []
-        if window:
-            yield from self._window(window, config, progress, stats, prefix)
+        yield from self._stream(records, config, progress, stats if stats is not None else ExtractStats())
 
     def extract_all(self, records: Iterable[Record], config: RunConfig = RunConfig(), **kw) -> list[Extraction]:
         return list(self.extract(records, config, **kw))

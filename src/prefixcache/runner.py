@@ -28,12 +28,13 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from .engine import empty_prefix, score_rows
+from .bound import BoundTask
+from .engine import score_rows
 from .errors import InputError
 from .fit import OVERFLOW, ContextFit, blank_warning, context_limit, label_overhang
 from .kv import PrefixKV
 from .models import LoadedModel
-from .pool import Lookup, PrefixPool
+from .pool import PrefixPool
 from .prompt import Encoded, Prompt, build_prompt
 from .scoring import LabelHead, LabelScores
 from .task import Task
@@ -136,7 +137,7 @@ class _Item:
     warning: str | None = None
 
 
-class Classifier:
+class Classifier(BoundTask):
     """A task bound to a model: builds the prompt and the prefix cache once, then classifies records.
 
     Thread safety: the stored prefix is read-only and every batch uses its own fork,
@@ -148,35 +149,12 @@ class Classifier:
     """
 
     def __init__(self, loaded: LoadedModel, task: Task, method: str = "auto", pool: PrefixPool | None = None):
-        self.loaded = loaded
-        self.task = task
         self.prompt: Prompt = build_prompt(task, loaded.tokenizer)
+        super().__init__(loaded, task, pool)
         self.method = self.prompt.resolve_method(method)
         self.head = LabelHead(loaded.model, self.prompt, self.method)
         overhang = label_overhang(self.prompt, self.method)
         self.fit = ContextFit(self.prompt, loaded.tokenizer, context_limit(loaded.model), overhang)
-        self.pool = pool
-        self.last_lookup: Lookup | None = None
-        self._prefix: PrefixKV | None = None
-        self._empty = empty_prefix(loaded.model)
-        self.prefix_seconds = 0.0
-
-    @property
-    def prefix(self) -> PrefixKV:
-        """The task's prefix cache: built on first use, or looked up in the pool on every access.
-
-        Raises:
-            PoolBudgetError: (with a pool) the prefix cannot fit in the pool's budget.
-        """
-        if self.pool is not None:
-            lookup = self.pool.get(self.loaded, self.prompt.prefix_ids, pin=self.task.pin, name=self.task.name)
-            self.last_lookup, self.prefix_seconds = lookup, lookup.seconds
-            return lookup.prefix
-        if self._prefix is None:
-            started = time.perf_counter()
-            self._prefix = PrefixKV.build(self.loaded.model, self.prompt.prefix_ids)
-            self.prefix_seconds = time.perf_counter() - started
-        return self._prefix
 
     def classify(
         self,
@@ -186,19 +164,7 @@ class Classifier:
         stats: RunStats | None = None,
     ) -> Iterator[Prediction]:
         """Yield one Prediction per record, in input order."""
-        stats = stats if stats is not None else RunStats()
-        prefix = self._empty
-        if config.mode != "full":
-            prefix = self.prefix  # held for this call only (a pool may evict its entry meanwhile)
-            stats.prefix_seconds = self.prefix_seconds
-        window: list[Record] = []
-        for record in records:
-            window.append(record)
-            if len(window) >= config.window:
-                yield from self._window(window, config, progress, stats, prefix)
-                window = []
-        if window:
-            yield from self._window(window, config, progress, stats, prefix)
+        yield from self._stream(records, config, progress, stats if stats is not None else RunStats())
 
     def classify_all(self, records: Iterable[Record], config: RunConfig = RunConfig(), **kw) -> list[Prediction]:
         return list(self.classify(records, config, **kw))

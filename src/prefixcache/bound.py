@@ -1,0 +1,68 @@
+"""BoundTask: a task bound to a model, what a Classifier and an Extractor share.
+
+It owns the task's prefix (built once, or looked up in a
+:class:`~prefixcache.pool.PrefixPool` on every access) and the record loop:
+records are cut into windows of ``RunConfig.window`` and each window goes to
+the subclass's ``_window(records, config, progress, stats, prefix)``, which
+yields results in input order. ``full`` mode gets the empty prefix, so it
+re-encodes every prompt; the other modes get the task's prefix, held for the
+one call (a pool may evict its entry meanwhile, never from under a running call).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Iterator
+
+from .engine import empty_prefix
+from .kv import PrefixKV
+from .models import LoadedModel
+from .pool import Lookup, PrefixPool
+
+
+class BoundTask:
+    """Subclasses set ``self.prompt`` (with ``prefix_ids``) before calling ``__init__`` here, and define ``_window``."""
+
+    def __init__(self, loaded: LoadedModel, task, pool: PrefixPool | None = None):
+        self.loaded = loaded
+        self.task = task
+        self.pool = pool
+        self.last_lookup: Lookup | None = None
+        self.prefix_seconds = 0.0
+        self._prefix: PrefixKV | None = None
+        self._empty = empty_prefix(loaded.model)
+
+    @property
+    def prefix(self) -> PrefixKV:
+        """The task's prefix cache: built on first use, or looked up in the pool on every access.
+
+        Raises:
+            PoolBudgetError: (with a pool) the prefix cannot fit in the pool's budget.
+        """
+        if self.pool is not None:
+            lookup = self.pool.get(self.loaded, self.prompt.prefix_ids, pin=self.task.pin, name=self.task.name)
+            self.last_lookup, self.prefix_seconds = lookup, lookup.seconds
+            return lookup.prefix
+        if self._prefix is None:
+            started = time.perf_counter()
+            self._prefix = PrefixKV.build(self.loaded.model, self.prompt.prefix_ids)
+            self.prefix_seconds = time.perf_counter() - started
+        return self._prefix
+
+    def _stream(self, records: Iterable, config, progress: Callable[[int], None] | None, stats) -> Iterator:
+        """Window the records and hand each window to ``_window`` with the prefix this mode uses."""
+        prefix = self._empty
+        if config.mode != "full":
+            prefix = self.prefix  # held for this call only
+            stats.prefix_seconds = self.prefix_seconds
+        window: list = []
+        for record in records:
+            window.append(record)
+            if len(window) >= config.window:
+                yield from self._window(window, config, progress, stats, prefix)
+                window = []
+        if window:
+            yield from self._window(window, config, progress, stats, prefix)
+
+    def _window(self, records: list, config, progress, stats, prefix: PrefixKV) -> Iterator:
+        raise NotImplementedError
