@@ -31,12 +31,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping
 
 from .bound import BoundTask
-from .errors import InputError, PromptError
+from .errors import InputError
 from .generate import Generation, GenerationConfig, eos_ids_of, generate_rows
 from .kv import PrefixKV
 from .models import LoadedModel
 from .pool import PrefixPool
-from .prompt import SENTINEL, Encoded, _healing_depth
+from .prompt import SENTINEL, Encoded, split_at_sentinel, template_lead
 from .runner import Record, RunConfig
 from .task import ExtractTask
 
@@ -104,8 +104,7 @@ def render_extract_messages(task: ExtractTask) -> list[dict[str, str]]:
 
 
 def _lead(task: ExtractTask) -> str:
-    first = task.input_template.index("{" + task.input_fields[0] + "}")
-    return task.input_template[:first].replace("{{", "{").replace("}}", "}")
+    return template_lead(task.input_template, task.input_fields[0])
 
 
 def build_extract_prompt(task: ExtractTask, tokenizer) -> ExtractPrompt:
@@ -114,16 +113,8 @@ def build_extract_prompt(task: ExtractTask, tokenizer) -> ExtractPrompt:
     Raises:
         PromptError: no chat template, a sentinel problem, or an unhealable boundary.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise PromptError("this tokenizer has no chat template; use an instruction-tuned (chat) model")
-    rendered = tokenizer.apply_chat_template(render_extract_messages(task), tokenize=False, add_generation_prompt=True)
-    if rendered.count(SENTINEL) != 1:
-        raise PromptError("the chat template did not keep the record placeholder exactly once")
-    prefix_text, tail_text = rendered.split(SENTINEL)
-    encode = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    raw = encode(prefix_text)
-    heal = _healing_depth(encode, prefix_text, raw, tail_text)
-    return ExtractPrompt(task, prefix_text, _lead(task), tail_text, raw[: len(raw) - heal], heal)
+    split = split_at_sentinel(tokenizer, render_extract_messages(task))
+    return ExtractPrompt(task, split.prefix_text, _lead(task), split.tail_text, split.prefix_ids, split.heal)
 
 
 # ---------------------------------------------------------------------------

@@ -26,7 +26,7 @@ This module knows nothing about models or caches: only text and token ids.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from .errors import InputError, LabelCollisionError, PromptError
 from .selection import resolve_examples
@@ -162,8 +162,50 @@ def render_messages(task: Task) -> list[dict[str, str]]:
 
 def input_lead(task: Task) -> str:
     """The static text of the input template before its first field (``"Ticket: "`` for ``"Ticket: {text}"``)."""
-    first = task.input_template.index("{" + task.fields[0] + "}")
-    return task.input_template[:first].replace("{{", "{").replace("}}", "}")
+    return template_lead(task.input_template, task.fields[0])
+
+
+def template_lead(template: str, first_field: str) -> str:
+    """The literal text of a format ``template`` before ``{first_field}``, braces unescaped."""
+    first = template.index("{" + first_field + "}")
+    return template[:first].replace("{{", "{").replace("}}", "}")
+
+
+@dataclass(frozen=True)
+class SentinelSplit:
+    """A chat prompt rendered around :data:`SENTINEL` and split there, boundary healed.
+
+    ``prefix_ids`` are the prefix's tokens minus the last ``heal``, which every
+    record re-encodes as the start of its suffix.
+    """
+
+    prefix_text: str
+    tail_text: str
+    prefix_ids: tuple[int, ...]
+    heal: int
+
+
+def split_at_sentinel(tokenizer, messages: list[dict[str, str]]) -> SentinelSplit:
+    """Render ``messages`` with the tokenizer's chat template (plus the generation prompt) and split at the sentinel.
+
+    Raises:
+        PromptError: no chat template, the sentinel not kept exactly once, or an unhealable boundary.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError("this tokenizer has no chat template; use an instruction-tuned (chat) model")
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if rendered.count(SENTINEL) != 1:
+        raise PromptError("the chat template did not keep the record placeholder exactly once")
+    prefix_text, tail_text = rendered.split(SENTINEL)
+    encode = token_encoder(tokenizer)
+    raw_prefix = encode(prefix_text)
+    heal = _healing_depth(encode, prefix_text, raw_prefix, tail_text)
+    return SentinelSplit(prefix_text, tail_text, raw_prefix[: len(raw_prefix) - heal], heal)
+
+
+def token_encoder(tokenizer) -> Callable[[str], tuple[int, ...]]:
+    """``text -> token ids`` without special tokens."""
+    return lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def build_prompt(task: Task, tokenizer) -> Prompt:
@@ -173,18 +215,11 @@ def build_prompt(task: Task, tokenizer) -> Prompt:
         PromptError: no chat template, a sentinel problem, an unhealable boundary, or a label whose
             tokens are not stable after the template's tail.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise PromptError("this tokenizer has no chat template; use an instruction-tuned (chat) model")
     task = resolve_examples(task)  # the Prompt keeps the task whose examples it shows
-    rendered = tokenizer.apply_chat_template(render_messages(task), tokenize=False, add_generation_prompt=True)
-    if rendered.count(SENTINEL) != 1:
-        raise PromptError("the chat template did not keep the record placeholder exactly once")
-    prefix_text, tail_text = rendered.split(SENTINEL)
-    encode = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    raw_prefix = encode(prefix_text)
-    heal = _healing_depth(encode, prefix_text, raw_prefix, tail_text)
-    label_ids = {label: _label_tokens(encode, tail_text, label) for label in task.labels}
-    return Prompt(task, prefix_text, input_lead(task), tail_text, raw_prefix[: len(raw_prefix) - heal], heal, label_ids)
+    split = split_at_sentinel(tokenizer, render_messages(task))
+    encode = token_encoder(tokenizer)
+    label_ids = {label: _label_tokens(encode, split.tail_text, label) for label in task.labels}
+    return Prompt(task, split.prefix_text, input_lead(task), split.tail_text, split.prefix_ids, split.heal, label_ids)
 
 
 def _healing_depth(encode, prefix_text: str, raw_prefix: tuple[int, ...], tail_text: str) -> int:
