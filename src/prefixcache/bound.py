@@ -12,12 +12,26 @@ one call (a pool may evict its entry meanwhile, never from under a running call)
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from .engine import empty_prefix
 from .kv import PrefixKV
 from .models import LoadedModel
 from .pool import Lookup, PrefixPool
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One record of a window, prepared: its position, its tokens, and which prefix they follow."""
+
+    index: int  # position in the window
+    record: object  # the Record
+    rows: tuple[int, ...] | None = None  # tokens fed after the prefix used
+    full: bool = False  # fed after the empty prefix (full re-encode or boundary fallback)
+    error: str | None = None  # set: the record is reported, never run
+    truncated: bool = False  # a field was cut to fit the context (classification's --overflow truncate)
+    warning: str | None = None
 
 
 class BoundTask:
@@ -63,6 +77,19 @@ class BoundTask:
                 window = []
         if window:
             yield from self._window(window, config, progress, stats, prefix)
+
+    def _plan(self, items: list[WorkItem], config, stored: PrefixKV) -> Iterator[tuple[PrefixKV, list[WorkItem]]]:
+        """Batches, each over one prefix: full re-encodes (and boundary fallbacks) after the empty
+        prefix, the rest after ``stored``. ``batched`` sorts by length to cut padding."""
+        runnable = [it for it in items if it.error is None]
+        size = config.batch_size if config.mode == "batched" else 1
+        for use_full in (True, False):
+            group = [it for it in runnable if it.full == use_full]
+            if size > 1:
+                group = sorted(group, key=lambda it: len(it.rows))
+            prefix = self._empty if use_full else stored
+            for start in range(0, len(group), size):
+                yield prefix, group[start : start + size]
 
     def _window(self, records: list, config, progress, stats, prefix: PrefixKV) -> Iterator:
         raise NotImplementedError

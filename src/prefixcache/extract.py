@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping
 
-from .bound import BoundTask
+from .bound import BoundTask, WorkItem
 from .errors import InputError
 from .generate import Generation, GenerationConfig, eos_ids_of, generate_rows
 from .kv import PrefixKV
@@ -197,15 +197,6 @@ class ExtractStats:
     first_token_s: list[float] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class _Item:
-    index: int
-    record: Record
-    rows: tuple[int, ...] | None = None
-    full: bool = False
-    error: str | None = None
-
-
 class Extractor(BoundTask):
     """An extraction task bound to a model: builds the prompt and prefix once, then extracts from records.
 
@@ -260,33 +251,23 @@ class Extractor(BoundTask):
         for item in items:
             yield results[item.index]
 
-    def _prepare(self, records: list[Record], mode: str) -> list[_Item]:
+    def _prepare(self, records: list[Record], mode: str) -> list[WorkItem]:
         texts, items = [], []
         for i, record in enumerate(records):
             if record.error is not None:  # a row the reader could not turn into fields
-                items.append(_Item(i, record, error=record.error))
+                items.append(WorkItem(i, record, error=record.error))
                 continue
             try:
                 texts.append((i, self.prompt.suffix_text(record.fields, record.id)))
             except InputError as exc:
-                items.append(_Item(i, record, error=str(exc)))
+                items.append(WorkItem(i, record, error=str(exc)))
         encoded = self.prompt.encode(self.loaded.tokenizer, [t for _, t in texts])
         for (i, _), enc in zip(texts, encoded):
             full = mode == "full" or enc.suffix_ids is None
-            items.append(_Item(i, records[i], rows=enc.full_ids if full else enc.suffix_ids, full=full))
+            items.append(WorkItem(i, records[i], rows=enc.full_ids if full else enc.suffix_ids, full=full))
         return sorted(items, key=lambda it: it.index)
 
-    def _plan(self, items: list[_Item], config: RunConfig, stored: PrefixKV) -> Iterator[tuple[PrefixKV, list[_Item]]]:
-        runnable = [it for it in items if it.error is None]
-        size = config.batch_size if config.mode == "batched" else 1
-        for use_full in (True, False):
-            group = [it for it in runnable if it.full == use_full]
-            if size > 1:
-                group = sorted(group, key=lambda it: len(it.rows))
-            for start in range(0, len(group), size):
-                yield (self._empty if use_full else stored), group[start : start + size]
-
-    def _run(self, prefix: PrefixKV, batch: list[_Item], stats: ExtractStats) -> list[Generation]:
+    def _run(self, prefix: PrefixKV, batch: list[WorkItem], stats: ExtractStats) -> list[Generation]:
         rows = [it.rows for it in batch]
         generations, timing = generate_rows(self.loaded.model, self.loaded.tokenizer, prefix, rows, self.generation)
         stats.forward_passes += timing.steps
@@ -295,7 +276,7 @@ class Extractor(BoundTask):
         stats.first_token_s += [timing.first_token_s] * len(batch)
         return generations
 
-    def _result(self, item: _Item, generation: Generation, mode: str) -> Extraction:
+    def _result(self, item: WorkItem, generation: Generation, mode: str) -> Extraction:
         parsed = parse_fields(generation.text, list(self.task.fields))
         error = parsed.error
         if error is not None and generation.finish == "length":

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from .bound import BoundTask
+from .bound import BoundTask, WorkItem
 from .engine import score_rows
 from .errors import InputError
 from .fit import OVERFLOW, ContextFit, blank_warning, context_limit, label_overhang
@@ -126,17 +126,6 @@ class RunStats:
     per_batch: list[int] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class _Item:
-    index: int
-    record: Record
-    rows: tuple[int, ...] | None = None  # tokens fed after the prefix used
-    full: bool = False  # fed after the empty prefix (full re-encode or boundary fallback)
-    error: str | None = None
-    truncated: bool = False
-    warning: str | None = None
-
-
 class Classifier(BoundTask):
     """A task bound to a model: builds the prompt and the prefix cache once, then classifies records.
 
@@ -193,50 +182,36 @@ class Classifier(BoundTask):
         stats.seconds += time.perf_counter() - started
         yield from self._emit(items, results)
 
-    def _prepare(self, records: list[Record], mode: str, overflow: str) -> list[_Item]:
+    def _prepare(self, records: list[Record], mode: str, overflow: str) -> list[WorkItem]:
         """Render, tokenize and fit each record; route it to the stored prefix or to full re-encoding."""
         texts, items = [], []
         for i, record in enumerate(records):
             if record.error is not None:
-                items.append(_Item(i, record, error=record.error))
+                items.append(WorkItem(i, record, error=record.error))
                 continue
             try:
                 texts.append((i, self.prompt.suffix_text(record.fields, record.id)))
             except InputError as exc:
-                items.append(_Item(i, record, error=str(exc)))
+                items.append(WorkItem(i, record, error=str(exc)))
         encoded = self.prompt.encode(self.loaded.tokenizer, [t for _, t in texts])
         for (i, _), enc in zip(texts, encoded):
             items.append(self._route(i, records[i], enc, mode, overflow))
         return sorted(items, key=lambda it: it.index)
 
-    def _route(self, index: int, record: Record, enc: Encoded, mode: str, overflow: str) -> _Item:
+    def _route(self, index: int, record: Record, enc: Encoded, mode: str, overflow: str) -> WorkItem:
         """One tokenized record as an item: fitted to the context (or failed), fed after the prefix or in full."""
         warning, truncated = blank_warning(record.fields, self.task.fields), False
         if self.fit.overflows(enc):
             try:
                 fitted = self.fit.fit(record.fields, record.id, enc, overflow)
             except InputError as exc:
-                return _Item(index, record, error=str(exc))
+                return WorkItem(index, record, error=str(exc))
             enc, warning, truncated = fitted.encoded, fitted.warning, True
         if mode == "full" or enc.suffix_ids is None:
-            return _Item(index, record, rows=enc.full_ids, full=True, truncated=truncated, warning=warning)
-        return _Item(index, record, rows=enc.suffix_ids, truncated=truncated, warning=warning)
+            return WorkItem(index, record, rows=enc.full_ids, full=True, truncated=truncated, warning=warning)
+        return WorkItem(index, record, rows=enc.suffix_ids, truncated=truncated, warning=warning)
 
-    def _plan(self, items: list[_Item], config: RunConfig, stored: PrefixKV) -> Iterator[tuple[PrefixKV, list[_Item]]]:
-        """Batches, each over one prefix. ``batched`` sorts by length to cut padding."""
-        runnable = [it for it in items if it.error is None]
-        for use_full in (True, False):
-            group = [it for it in runnable if it.full == use_full]
-            if not group:
-                continue
-            size = config.batch_size if config.mode == "batched" else 1
-            if size > 1:
-                group = sorted(group, key=lambda it: len(it.rows))
-            prefix = self._empty if use_full else stored
-            for start in range(0, len(group), size):
-                yield prefix, group[start : start + size]
-
-    def _run(self, prefix: PrefixKV, batch: list[_Item], stats: RunStats) -> list[LabelScores]:
+    def _run(self, prefix: PrefixKV, batch: list[WorkItem], stats: RunStats) -> list[LabelScores]:
         logprobs = score_rows(self.loaded.model, prefix, [it.rows for it in batch], self.head)  # [B, L]
         stats.forward_passes += 1
         stats.tokens_computed += sum(len(it.rows) for it in batch)
@@ -244,7 +219,7 @@ class Classifier(BoundTask):
         return self.head.to_scores(logprobs)
 
     @staticmethod
-    def _emit(items: list[_Item], results: dict[int, Prediction]) -> Iterator[Prediction]:
+    def _emit(items: list[WorkItem], results: dict[int, Prediction]) -> Iterator[Prediction]:
         for item in items:
             yield results[item.index]
 
