@@ -12,7 +12,7 @@ attends in two parts and merges them exactly:
   prefix is read once per layer, never expanded to ``B x P``;
 * own part: each row against its own tokens, under the causal/padding mask;
 * merge: ``softmax`` over the concatenated keys equals the two partial
-  softmaxes weighted by their log-sum-exps.
+  softmaxes weighted by their log-sum-exps (a sigmoid of their difference).
 
 Every row attends to the whole prefix (the contract of a fork); the mask the
 model builds is consulted only for the own tokens. Ordinary key tensors (a
@@ -80,8 +80,8 @@ def shared_prefix_attention(
         out_p, lse_p = _attend(folded, key.prefix, value.prefix, None, scale)
         out_p = out_p.view(kv_heads, batch, groups, width, head_dim).transpose(0, 1).reshape(query.shape)
         lse_p = lse_p.view(kv_heads, batch, groups, width).transpose(0, 1).reshape(batch, heads, width)
-        out, lse = _merge(out, lse, out_p, lse_p)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+        out = _merge(out, lse, out_p, lse_p)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _own_mask(mask: torch.Tensor | None, prefix_len: int, width: int, own_len: int, device) -> torch.Tensor:
@@ -122,12 +122,15 @@ def _attend_eager(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.matmul(probs.to(v.dtype), v), lse
 
 
-def _merge(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine two partial softmax attentions over disjoint key sets (float32)."""
-    lse = torch.logaddexp(lse_a, lse_b)  # [B, H, T]
-    weight_a = torch.exp(lse_a - lse)[..., None]
-    weight_b = torch.exp(lse_b - lse)[..., None]
-    return out_a.float() * weight_a + out_b.float() * weight_b, lse
+def _merge(out_own, lse_own, out_prefix, lse_prefix) -> torch.Tensor:
+    """Combine two partial softmax attentions over disjoint key sets. ``[B, H, T, d]`` in the query dtype.
+
+    With both parts normalized, the whole is ``out_own + (out_prefix - out_own) * w`` where
+    ``w = exp(lse_prefix) / (exp(lse_prefix) + exp(lse_own)) = sigmoid(lse_prefix - lse_own)``:
+    one fused ``lerp``, no float32 temporaries of the output's size.
+    """
+    weight = torch.sigmoid(lse_prefix - lse_own).to(out_own.dtype)[..., None]  # [B, H, T, 1]
+    return torch.lerp(out_own, out_prefix, weight)
 
 
 AttentionInterface.register(NAME, shared_prefix_attention)

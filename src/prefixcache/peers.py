@@ -37,7 +37,10 @@ def _probe(gguf: Path, threads: int) -> str | None:
     except subprocess.TimeoutExpired:
         return "a 7-token probe decode did not finish in 120 s"
     if done.returncode != 0:
-        return f"its decode crashed in a probe on this CPU (exit {done.returncode}); rebuild llama-cpp-python for this CPU"
+        return (
+            f"its decode crashed in a probe on this CPU (exit {done.returncode}); rebuild it from source for this CPU, "
+            "e.g. with AMX off: see docs/benchmarks.md, 'llama.cpp on AMX CPUs'"
+        )
     return None
 
 

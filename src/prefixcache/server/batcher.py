@@ -4,8 +4,9 @@ Requests put their prepared items into a per-runner queue and await a future.
 One loop per model (an asyncio task) repeatedly:
 
 1. picks the runner whose oldest item has waited longest;
-2. waits until ``max_batch`` items are queued for it or that oldest item has
-   waited ``max_wait_ms``, whichever comes first;
+2. waits until ``max_batch`` items are queued for it or ``max_wait_ms`` have
+   passed since that oldest item could first be served (its arrival, or the end
+   of the previous pass if it arrived during one), whichever comes first;
 3. takes up to ``max_batch`` items, which may come from many requests (and a
    large request may be split over several passes);
 4. runs them on the model thread (``runner.run``), the one thread that touches
@@ -13,8 +14,11 @@ One loop per model (an asyncio task) repeatedly:
 5. routes each result back to its request by (request, position): a request's
    future resolves when its last item is done, with results in its own order.
 
-While a pass runs, new items keep queueing, so under load the next pass starts
-at once and is full: batching grows with load without extra waiting.
+While a pass runs, new items keep queueing, so under load the next pass is
+full: batching grows with load. Counting the wait from the end of the previous
+pass matters for closed-loop clients: the requests answered by a pass come back
+a few milliseconds after it ends, and without that short window every pass
+would take only the half of the clients that queued during the previous one.
 
 Invariant 2 under concurrency: every pass forks the read-only prefix (see
 ``kv.PrefixKV.fork``), and passes run one at a time on the model thread.
@@ -102,6 +106,7 @@ class MicroBatcher:
         self._admitted = 0  # admitted and not yet answered (preparing, queued or in a pass)
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self._free_since = 0.0  # loop time the model thread last became free
 
     @property
     def depth(self) -> int:
@@ -194,9 +199,10 @@ class MicroBatcher:
         return min(self._queues.values(), key=_Queue.head_time)
 
     async def _fill(self, queue: _Queue) -> None:
-        """Wait until ``queue`` holds a full batch or its head item's wait is over."""
+        """Wait until ``queue`` holds a full batch or its head item's wait (counted from when the
+        model could first take it) is over."""
         loop = asyncio.get_running_loop()
-        deadline = queue.head_time() + self._max_wait
+        deadline = max(queue.head_time(), self._free_since) + self._max_wait
         while len(queue.slots) < self._max_batch:
             timeout = deadline - loop.time()
             if timeout <= 0:
@@ -225,6 +231,8 @@ class MicroBatcher:
             log.exception("forward pass of %d items for task %r failed", len(items), runner.task.name)
             _fail(batch, exc)
             return
+        finally:
+            self._free_since = loop.time()
         hits = sum(1 for item in items if item.uses_prefix)
         self._metrics.record_batch(runner.task.name, runner.kind, len(items), hits, loop.time() - started)
         for (job, position), result in zip(batch, results):
