@@ -27,7 +27,7 @@ def plot_modes(results: Sequence[ModeResult], path: Path, title: str) -> Path:
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("ms per item (log scale, lower is better)")
-    ax.set_title(_wrap(title, fig), fontsize=10)
+    ax.set_title(_wrap(title, fig, 10), fontsize=10)
     ax.margins(y=0.35)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -46,7 +46,7 @@ def plot_sweep(points: Sequence[SweepPoint], path: Path, title: str) -> Path:
     ax.set_xlabel("prefix tokens (more few-shot examples →)")
     ax.set_ylabel("ms per item")
     ax.set_yscale("log")
-    ax.set_title(_wrap(title, fig), fontsize=10)
+    ax.set_title(_wrap(title, fig, 10), fontsize=10)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -126,8 +126,8 @@ def plot_example_sweep(results: Sequence, path: Path, title: str) -> Path:
     return Path(path)
 
 
-def _wrap(title: str, fig) -> str:
+def _wrap(title: str, fig, fontsize: float = 9) -> str:
     """``title`` wrapped to the figure's width (about 13 characters per inch at font size 9)."""
     import textwrap
 
-    return textwrap.fill(title, width=max(40, int(fig.get_figwidth() * 13)))
+    return textwrap.fill(title, width=max(40, int(fig.get_figwidth() * 13 * 9 / fontsize)))
