@@ -22,32 +22,10 @@ from prefixcache.scoring import LabelScores
 from prefixcache.selection import candidate_order, first_examples, normalize_text, overlapping_rows, resolve_examples
 from prefixcache.task import parse_task
 
-from conftest import TASK_YAML, TEXTS, tiny_loaded, save_tiny_model
+from conftest import LABELS, POOL_YAML, TASK_YAML, TEXTS, save_tiny_model, tiny_loaded
 
-LABELS = ["billing", "technical", "account"]
 REPORT_KEYS = {"records", "accuracy", "macro_f1", "per_label", "confusion"}
 
-POOL_YAML = TASK_YAML + """\
-example_pool:
-  - text: Please refund the second charge
-    label: billing
-  - text: The invoice shows the wrong amount
-    label: billing
-  - text: My card was declined at checkout
-    label: billing
-  - text: Sync fails with a timeout error
-    label: technical
-  - text: The export button does nothing
-    label: technical
-  - text: Pages load very slowly today
-    label: technical
-  - text: I want to close my profile
-    label: account
-  - text: How do I turn on two-factor login
-    label: account
-  - text: Change the email on my login
-    label: account
-"""
 
 
 def gold_for(texts):

@@ -22,23 +22,8 @@ from prefixcache.pool import PrefixPool
 from prefixcache.runner import Classifier, Record, RunConfig, records_from_texts
 from prefixcache.task import ExtractTask, bundled_task_names, load_any_task, load_task, parse_task
 
-from conftest import TEXTS, save_tiny_model
+from conftest import EXTRACT_YAML, TEXTS, save_tiny_model
 
-EXTRACT_YAML = """\
-name: tiny-fields
-kind: extract
-instruction: Extract the fields from the support ticket.
-fields:
-  product: the product the ticket is about
-  sentiment: positive, neutral or negative
-examples:
-  - text: I was charged twice this month
-    fields: {product: null, sentiment: negative}
-  - text: The app crashes on start
-    fields: {product: app, sentiment: negative}
-input_template: "Ticket: {text}"
-max_new_tokens: 10
-"""
 
 MAX_NEW = 10
 

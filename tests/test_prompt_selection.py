@@ -23,31 +23,9 @@ from prefixcache.runner import Classifier, Record
 from prefixcache.selection import resolve_examples
 from prefixcache.task import parse_task
 
-from conftest import TASK_YAML
+from conftest import LABELS, POOL_YAML, TASK_YAML
 
-LABELS = ["billing", "technical", "account"]
 
-POOL_YAML = TASK_YAML + """\
-example_pool:
-  - text: Please refund the second charge
-    label: billing
-  - text: The invoice shows the wrong amount
-    label: billing
-  - text: My card was declined at checkout
-    label: billing
-  - text: Sync fails with a timeout error
-    label: technical
-  - text: The export button does nothing
-    label: technical
-  - text: Pages load very slowly today
-    label: technical
-  - text: I want to close my profile
-    label: account
-  - text: How do I turn on two-factor login
-    label: account
-  - text: Change the email on my login
-    label: account
-"""
 SELECT_YAML = POOL_YAML + "select:\n  per_label: 1\n  seed: 3\n"
 
 

@@ -22,25 +22,12 @@ from prefixcache.runner import Classifier, Record, RunConfig
 from prefixcache.server import ServerSettings
 from prefixcache.task import ExtractTask, load_any_task, parse_task
 
+from conftest import EXTRACT_YAML as CONFTEST_EXTRACT_YAML
 from conftest import TASK_YAML, TEXTS
 from test_server import TASK, assert_same_prediction, call, metric, metric_samples, serving
 
 EXTRACT = "tiny-fields"
-EXTRACT_YAML = """\
-name: tiny-fields
-kind: extract
-instruction: Extract the fields from the support ticket.
-fields:
-  product: the product the ticket is about
-  sentiment: positive, neutral or negative
-examples:
-  - text: I was charged twice this month
-    fields: {product: null, sentiment: negative}
-  - text: The app crashes on start
-    fields: {product: app, sentiment: negative}
-input_template: "Ticket: {text}"
-max_new_tokens: 8
-"""
+EXTRACT_YAML = CONFTEST_EXTRACT_YAML.replace("max_new_tokens: 10", "max_new_tokens: 8")
 YAML_HEADERS = {"Content-Type": "application/yaml"}
 
 
