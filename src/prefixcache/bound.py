@@ -2,9 +2,10 @@
 
 It owns the task's prefix (built once, or looked up in a
 :class:`~prefixcache.pool.PrefixPool` on every access) and the record loop:
-records are cut into windows of ``RunConfig.window`` and each window goes to
-the subclass's ``_window(records, config, progress, stats, prefix)``, which
-yields results in input order. ``full`` mode gets the empty prefix, so it
+records are cut into windows of ``RunConfig.window``, and each window is
+prepared, planned into batches (length-sorted in ``batched`` mode), run and
+reported in input order; a subclass says only how to prepare a record, run a
+batch, and turn an output (or an error) into its result. ``full`` mode gets the empty prefix, so it
 re-encodes every prompt; the other modes get the task's prefix, held for the
 one call (a pool may evict its entry meanwhile, never from under a running call).
 """
@@ -91,5 +92,46 @@ class BoundTask:
             for start in range(0, len(group), size):
                 yield prefix, group[start : start + size]
 
-    def _window(self, records: list, config, progress, stats, prefix: PrefixKV) -> Iterator:
+    def _window(self, records: list, config, progress, stats, stored: PrefixKV) -> Iterator:
+        """Prepare, plan, run and report one window; yields one result per record, in input order."""
+        started = time.perf_counter()
+        items = self._prepare(records, config)
+        results: dict[int, object] = {}
+        for prefix, batch in self._plan(items, config, stored):
+            for item, output in zip(batch, self._run(prefix, batch, stats)):
+                results[item.index] = self._result(item, output, config.mode)
+            if progress:
+                progress(len(batch))
+        for item in items:
+            if item.error is not None:
+                results[item.index] = self._failed(item)
+                if progress:
+                    progress(1)
+        stats.records += len(items)
+        stats.boundary_fallbacks += sum(1 for i in items if i.full and config.mode != "full")
+        self._tally(stats, items, results)
+        stats.seconds += time.perf_counter() - started
+        for item in items:
+            yield results[item.index]
+
+    # --- what a subclass defines -------------------------------------------------------------------
+
+    def _prepare(self, records: list, config) -> list[WorkItem]:
+        """One WorkItem per record: its rows after the stored prefix, or ``full``, or an ``error``."""
+        raise NotImplementedError
+
+    def _run(self, prefix: PrefixKV, batch: list[WorkItem], stats) -> list:
+        """One engine call for ``batch`` over ``prefix``; one output per item."""
+        raise NotImplementedError
+
+    def _result(self, item: WorkItem, output, mode: str):
+        """The result for an item that ran."""
+        raise NotImplementedError
+
+    def _failed(self, item: WorkItem):
+        """The result for an item whose ``error`` is set (it never ran)."""
+        raise NotImplementedError
+
+    def _tally(self, stats, items: list[WorkItem], results: dict) -> None:
+        """Add the window's error counts to ``stats``."""
         raise NotImplementedError

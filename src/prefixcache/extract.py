@@ -229,29 +229,7 @@ class Extractor(BoundTask):
     def extract_all(self, records: Iterable[Record], config: RunConfig = RunConfig(), **kw) -> list[Extraction]:
         return list(self.extract(records, config, **kw))
 
-    def _window(self, records, config, progress, stats: ExtractStats, stored: PrefixKV) -> Iterator[Extraction]:
-        started = time.perf_counter()
-        items = self._prepare(records, config.mode)
-        results: dict[int, Extraction] = {}
-        for prefix, batch in self._plan(items, config, stored):
-            for item, generation in zip(batch, self._run(prefix, batch, stats)):
-                results[item.index] = self._result(item, generation, config.mode)
-            if progress:
-                progress(len(batch))
-        for item in items:
-            if item.error is not None:
-                results[item.index] = Extraction(item.record.id, error=item.error)
-                if progress:
-                    progress(1)
-        stats.records += len(items)
-        stats.errors += sum(1 for r in results.values() if r.error is not None)
-        stats.parse_errors += sum(1 for r in results.values() if r.error is not None and r.raw is not None)
-        stats.boundary_fallbacks += sum(1 for i in items if i.full and config.mode != "full")
-        stats.seconds += time.perf_counter() - started
-        for item in items:
-            yield results[item.index]
-
-    def _prepare(self, records: list[Record], mode: str) -> list[WorkItem]:
+    def _prepare(self, records: list[Record], config: RunConfig) -> list[WorkItem]:
         texts, items = [], []
         for i, record in enumerate(records):
             if record.error is not None:  # a row the reader could not turn into fields
@@ -263,7 +241,7 @@ class Extractor(BoundTask):
                 items.append(WorkItem(i, record, error=str(exc)))
         encoded = self.prompt.encode(self.loaded.tokenizer, [t for _, t in texts])
         for (i, _), enc in zip(texts, encoded):
-            full = mode == "full" or enc.suffix_ids is None
+            full = config.mode == "full" or enc.suffix_ids is None
             items.append(WorkItem(i, records[i], rows=enc.full_ids if full else enc.suffix_ids, full=full))
         return sorted(items, key=lambda it: it.index)
 
@@ -285,6 +263,13 @@ class Extractor(BoundTask):
             item.record.id, parsed.fields, generation.text, error, generation.token_ids, generation.finish,
             item.full and mode != "full",
         )
+
+    def _failed(self, item: WorkItem) -> Extraction:
+        return Extraction(item.record.id, error=item.error)
+
+    def _tally(self, stats: ExtractStats, items: list[WorkItem], results: dict) -> None:
+        stats.errors += sum(1 for r in results.values() if r.error is not None)
+        stats.parse_errors += sum(1 for r in results.values() if r.error is not None and r.raw is not None)
 
 
 # ---------------------------------------------------------------------------

@@ -22,7 +22,6 @@ full re-encoding, and counted in :attr:`RunStats.boundary_fallbacks`.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping
 
@@ -158,31 +157,7 @@ class Classifier(BoundTask):
     def classify_all(self, records: Iterable[Record], config: RunConfig = RunConfig(), **kw) -> list[Prediction]:
         return list(self.classify(records, config, **kw))
 
-    def _window(self, records, config, progress, stats, stored: PrefixKV) -> Iterator[Prediction]:
-        started = time.perf_counter()
-        items = self._prepare(records, config.mode, config.overflow)
-        results: dict[int, Prediction] = {}
-        for prefix, batch in self._plan(items, config, stored):
-            scores = self._run(prefix, batch, stats)
-            for item, score in zip(batch, scores):
-                results[item.index] = Prediction(
-                    item.record.id, score, boundary_fallback=item.full and config.mode != "full",
-                    truncated=item.truncated, warning=item.warning,
-                )
-            if progress:
-                progress(len(batch))
-        for item in items:
-            if item.error is not None:
-                results[item.index] = Prediction(item.record.id, error=item.error)
-                if progress:
-                    progress(1)
-        stats.records += len(items)
-        stats.errors += sum(1 for i in items if i.error is not None)
-        stats.boundary_fallbacks += sum(1 for i in items if i.full and config.mode != "full")
-        stats.seconds += time.perf_counter() - started
-        yield from self._emit(items, results)
-
-    def _prepare(self, records: list[Record], mode: str, overflow: str) -> list[WorkItem]:
+    def _prepare(self, records: list[Record], config: RunConfig) -> list[WorkItem]:
         """Render, tokenize and fit each record; route it to the stored prefix or to full re-encoding."""
         texts, items = [], []
         for i, record in enumerate(records):
@@ -195,7 +170,7 @@ class Classifier(BoundTask):
                 items.append(WorkItem(i, record, error=str(exc)))
         encoded = self.prompt.encode(self.loaded.tokenizer, [t for _, t in texts])
         for (i, _), enc in zip(texts, encoded):
-            items.append(self._route(i, records[i], enc, mode, overflow))
+            items.append(self._route(i, records[i], enc, config.mode, config.overflow))
         return sorted(items, key=lambda it: it.index)
 
     def _route(self, index: int, record: Record, enc: Encoded, mode: str, overflow: str) -> WorkItem:
@@ -218,10 +193,16 @@ class Classifier(BoundTask):
         stats.per_batch.append(len(batch))
         return self.head.to_scores(logprobs)
 
-    @staticmethod
-    def _emit(items: list[WorkItem], results: dict[int, Prediction]) -> Iterator[Prediction]:
-        for item in items:
-            yield results[item.index]
+    def _result(self, item: WorkItem, scores: LabelScores, mode: str) -> Prediction:
+        return Prediction(
+            item.record.id, scores, boundary_fallback=item.full and mode != "full", truncated=item.truncated, warning=item.warning
+        )
+
+    def _failed(self, item: WorkItem) -> Prediction:
+        return Prediction(item.record.id, error=item.error)
+
+    def _tally(self, stats: RunStats, items: list[WorkItem], results: dict) -> None:
+        stats.errors += sum(1 for i in items if i.error is not None)
 
 
 def records_from_texts(texts: Iterable[str]) -> list[Record]:
