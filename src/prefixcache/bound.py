@@ -22,6 +22,18 @@ from .models import LoadedModel
 from .pool import Lookup, PrefixPool
 
 
+@dataclass
+class WindowStats:
+    """Counters every run keeps; :class:`~prefixcache.runner.RunStats` and the extraction stats add their own."""
+
+    records: int = 0
+    errors: int = 0
+    boundary_fallbacks: int = 0
+    forward_passes: int = 0
+    seconds: float = 0.0
+    prefix_seconds: float = 0.0
+
+
 @dataclass(frozen=True)
 class WorkItem:
     """One record of a window, prepared: its position, its tokens, and which prefix they follow."""

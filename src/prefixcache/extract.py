@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping
 
-from .bound import BoundTask, WorkItem
+from .bound import BoundTask, WindowStats, WorkItem
 from .errors import InputError
 from .generate import Generation, GenerationConfig, eos_ids_of, generate_rows
 from .kv import PrefixKV
@@ -182,18 +182,12 @@ class Extraction:
 
 
 @dataclass
-class ExtractStats:
+class ExtractStats(WindowStats):
     """Counters of one extraction run. ``first_token_s``: per record, the time to its first token."""
 
-    records: int = 0
-    errors: int = 0
     parse_errors: int = 0
-    boundary_fallbacks: int = 0
-    forward_passes: int = 0
     prefill_tokens: int = 0
     tokens_generated: int = 0
-    seconds: float = 0.0
-    prefix_seconds: float = 0.0
     first_token_s: list[float] = field(default_factory=list)
 
 

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from .bound import BoundTask, WorkItem
+from .bound import BoundTask, WindowStats, WorkItem
 from .engine import score_rows
 from .errors import InputError
 from .fit import OVERFLOW, ContextFit, blank_warning, context_limit, label_overhang
@@ -112,16 +112,10 @@ class RunConfig:
 
 
 @dataclass
-class RunStats:
-    """Counters of one run."""
+class RunStats(WindowStats):
+    """Counters of one classification run: the common ones plus tokens computed and records per pass."""
 
-    records: int = 0
-    errors: int = 0
-    boundary_fallbacks: int = 0
-    forward_passes: int = 0
     tokens_computed: int = 0
-    seconds: float = 0.0
-    prefix_seconds: float = 0.0
     per_batch: list[int] = field(default_factory=list)
 
 
