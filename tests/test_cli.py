@@ -95,6 +95,16 @@ def test_verify_json(model_dir, task_file, jsonl):
     assert report["max_abs_logprob_diff"] < 1e-4
 
 
+def test_verify_table(model_dir, task_file, jsonl):
+    result = _invoke(
+        "verify", jsonl, "--task", task_file, "--model", model_dir, "--dtype", "float32",
+        "--text-field", "body", "--id-field", "ticket_id", "--mode", "cached",
+    )
+    assert result.exit_code == 0, result.output
+    assert "verify: full vs cached" in result.output and "disagreeing ids" in result.output
+    assert "100.00%" in result.output and "none" in result.output
+
+
 def test_bad_record_is_reported_and_exit_code_is_1(model_dir, task_file, tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_text('{"text": "refund"}\n{"body": "no text"}\n')

@@ -255,20 +255,18 @@ def verify(
     with _progress(2 * len(records), f"verify [full + {config.mode}]") as bar:
         result = run_verify(classifier, records, config, progress=bar.update)
     agreement = result.agreement
-    if as_json:
-        print(json.dumps(agreement.to_json()))
-    else:
-        table = Table(title=f"verify: full vs {config.mode} ({classifier.method} scoring, {classifier.loaded.dtype})")
-        for col in ("records", "agree", "agreement", "max |Δ log-prob|", "disagreeing ids"):
-            table.add_column(col)
-        table.add_row(
-            str(agreement.records),
-            str(agreement.agree),
-            f"{100 * agreement.rate:.2f}%",
-            f"{agreement.max_abs_logprob_diff:.2e}",
-            ", ".join(map(str, agreement.disagreeing_ids[:20])) or "none",
-        )
-        out.print(table)
+    _report_agreement(
+        as_json,
+        agreement.to_json(),
+        f"verify: full vs {config.mode} ({classifier.method} scoring, {classifier.loaded.dtype})",
+        {
+            "records": str(agreement.records),
+            "agree": str(agreement.agree),
+            "agreement": f"{100 * agreement.rate:.2f}%",
+            "max |Δ log-prob|": f"{agreement.max_abs_logprob_diff:.2e}",
+            "disagreeing ids": _some_ids(agreement.disagreeing_ids),
+        },
+    )
     _report_storage(classifier, records, config)
     if not agreement.ok:
         raise typer.Exit(1)
@@ -540,6 +538,22 @@ def _setup_extractor(task: str, model: str, dtype: str, threads: Optional[int], 
     return Extractor(loaded, spec, pool=pool, max_new_tokens=max_new_tokens)
 
 
+def _report_agreement(as_json: bool, document: dict, title: str, row: dict[str, str]) -> None:
+    """``verify``'s answer: the JSON document, or a one-row table (column -> cell)."""
+    if as_json:
+        print(json.dumps(document))
+        return
+    table = Table(title=title)
+    for column in row:
+        table.add_column(column)
+    table.add_row(*row.values())
+    out.print(table)
+
+
+def _some_ids(ids: list, limit: int = 20) -> str:
+    return ", ".join(map(str, ids[:limit])) or "none"
+
+
 def _verify_extract(input, task, model, config, text_field, id_field, as_json, dtype, threads, pool) -> None:
     """``verify`` for an extraction task: uncached vs cached generation must be identical, token for token."""
     from .extract import verify_extract
@@ -548,17 +562,18 @@ def _verify_extract(input, task, model, config, text_field, id_field, as_json, d
     records = list(data.read_records(input, text_field, id_field))
     with _progress(2 * len(records), f"verify extract [full + {config.mode}]") as bar:
         agreement, _, _ = verify_extract(extractor, records, config, progress=bar.update)
-    if as_json:
-        print(json.dumps(agreement.to_json()))
-    else:
-        table = Table(title=f"verify extract: uncached vs {config.mode} ({extractor.loaded.dtype})")
-        for col in ("records", "identical", "identical %", "same fields", "differing ids"):
-            table.add_column(col)
-        table.add_row(
-            str(agreement.records), str(agreement.identical), f"{100 * agreement.rate:.2f}%", str(agreement.same_fields),
-            ", ".join(map(str, agreement.differing_ids[:20])) or "none",
-        )
-        out.print(table)
+    _report_agreement(
+        as_json,
+        agreement.to_json(),
+        f"verify extract: uncached vs {config.mode} ({extractor.loaded.dtype})",
+        {
+            "records": str(agreement.records),
+            "identical": str(agreement.identical),
+            "identical %": f"{100 * agreement.rate:.2f}%",
+            "same fields": str(agreement.same_fields),
+            "differing ids": _some_ids(agreement.differing_ids),
+        },
+    )
     _report_pool(pool)
     if not agreement.ok:
         raise typer.Exit(1)
