@@ -54,3 +54,12 @@ def test_fused_and_eager_partial_attention_agree_including_empty_rows(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(lse_f, lse_e, atol=tol, rtol=tol)
     torch.testing.assert_close(out_f.float(), out_e.float(), atol=tol, rtol=tol)
+
+
+def test_attention_features_it_cannot_share_are_refused():
+    from prefixcache.attention import SharedKV, shared_prefix_attention
+
+    q = torch.zeros(1, 2, 1, 4)
+    kv = SharedKV(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 1, 4))
+    with pytest.raises(NotImplementedError, match="softcap"):
+        shared_prefix_attention(torch.nn.Module(), q, kv, kv, None, softcap=30.0)

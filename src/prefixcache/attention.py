@@ -66,6 +66,9 @@ def shared_prefix_attention(
     """
     if not isinstance(key, SharedKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    unsupported = sorted(k for k in ("softcap", "s_aux", "sliding_window") if kwargs.get(k) is not None)
+    if unsupported:
+        raise NotImplementedError(f"prefix sharing does not support attention with {', '.join(unsupported)}")
     batch, heads, width, head_dim = query.shape
     prefix_len, own_len = key.prefix.shape[-2], key.own.shape[-2]
     groups = heads // key.own.shape[1]
