@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from .engine import empty_prefix
+from .errors import InputError
 from .kv import PrefixKV
 from .models import LoadedModel
 from .pool import Lookup, PrefixPool
@@ -126,11 +127,33 @@ class BoundTask:
         for item in items:
             yield results[item.index]
 
-    # --- what a subclass defines -------------------------------------------------------------------
-
     def _prepare(self, records: list, config) -> list[WorkItem]:
-        """One WorkItem per record: its rows after the stored prefix, or ``full``, or an ``error``."""
-        raise NotImplementedError
+        """One WorkItem per record, in input order: rendered, tokenized as the full prompt, then routed.
+
+        A record the reader marked bad, or whose fields do not fit the template, gets an ``error``.
+        """
+        texts, items = [], []
+        for i, record in enumerate(records):
+            if record.error is not None:  # a row the reader could not turn into fields
+                items.append(WorkItem(i, record, error=record.error))
+                continue
+            try:
+                texts.append((i, self.prompt.suffix_text(record.fields, record.id)))
+            except InputError as exc:
+                items.append(WorkItem(i, record, error=str(exc)))
+        encoded = self.prompt.encode(self.loaded.tokenizer, [t for _, t in texts])
+        for (i, _), enc in zip(texts, encoded):
+            items.append(self._route(i, records[i], enc, config))
+        return sorted(items, key=lambda it: it.index)
+
+    def _route(self, index: int, record, enc, config) -> WorkItem:
+        """A tokenized record as an item: after the stored prefix, or in full (``full`` mode, or a
+        record whose tokens cross the prefix boundary)."""
+        if config.mode == "full" or enc.suffix_ids is None:
+            return WorkItem(index, record, rows=enc.full_ids, full=True)
+        return WorkItem(index, record, rows=enc.suffix_ids)
+
+    # --- what a subclass defines -------------------------------------------------------------------
 
     def _run(self, prefix: PrefixKV, batch: list[WorkItem], stats) -> list:
         """One engine call for ``batch`` over ``prefix``; one output per item."""

@@ -223,22 +223,6 @@ class Extractor(BoundTask):
     def extract_all(self, records: Iterable[Record], config: RunConfig = RunConfig(), **kw) -> list[Extraction]:
         return list(self.extract(records, config, **kw))
 
-    def _prepare(self, records: list[Record], config: RunConfig) -> list[WorkItem]:
-        texts, items = [], []
-        for i, record in enumerate(records):
-            if record.error is not None:  # a row the reader could not turn into fields
-                items.append(WorkItem(i, record, error=record.error))
-                continue
-            try:
-                texts.append((i, self.prompt.suffix_text(record.fields, record.id)))
-            except InputError as exc:
-                items.append(WorkItem(i, record, error=str(exc)))
-        encoded = self.prompt.encode(self.loaded.tokenizer, [t for _, t in texts])
-        for (i, _), enc in zip(texts, encoded):
-            full = config.mode == "full" or enc.suffix_ids is None
-            items.append(WorkItem(i, records[i], rows=enc.full_ids if full else enc.suffix_ids, full=full))
-        return sorted(items, key=lambda it: it.index)
-
     def _run(self, prefix: PrefixKV, batch: list[WorkItem], stats: ExtractStats) -> list[Generation]:
         rows = [it.rows for it in batch]
         generations, timing = generate_rows(self.loaded.model, self.loaded.tokenizer, prefix, rows, self.generation)

@@ -151,32 +151,16 @@ class Classifier(BoundTask):
     def classify_all(self, records: Iterable[Record], config: RunConfig = RunConfig(), **kw) -> list[Prediction]:
         return list(self.classify(records, config, **kw))
 
-    def _prepare(self, records: list[Record], config: RunConfig) -> list[WorkItem]:
-        """Render, tokenize and fit each record; route it to the stored prefix or to full re-encoding."""
-        texts, items = [], []
-        for i, record in enumerate(records):
-            if record.error is not None:
-                items.append(WorkItem(i, record, error=record.error))
-                continue
-            try:
-                texts.append((i, self.prompt.suffix_text(record.fields, record.id)))
-            except InputError as exc:
-                items.append(WorkItem(i, record, error=str(exc)))
-        encoded = self.prompt.encode(self.loaded.tokenizer, [t for _, t in texts])
-        for (i, _), enc in zip(texts, encoded):
-            items.append(self._route(i, records[i], enc, config.mode, config.overflow))
-        return sorted(items, key=lambda it: it.index)
-
-    def _route(self, index: int, record: Record, enc: Encoded, mode: str, overflow: str) -> WorkItem:
+    def _route(self, index: int, record: Record, enc: Encoded, config: RunConfig) -> WorkItem:
         """One tokenized record as an item: fitted to the context (or failed), fed after the prefix or in full."""
         warning, truncated = blank_warning(record.fields, self.task.fields), False
         if self.fit.overflows(enc):
             try:
-                fitted = self.fit.fit(record.fields, record.id, enc, overflow)
+                fitted = self.fit.fit(record.fields, record.id, enc, config.overflow)
             except InputError as exc:
                 return WorkItem(index, record, error=str(exc))
             enc, warning, truncated = fitted.encoded, fitted.warning, True
-        if mode == "full" or enc.suffix_ids is None:
+        if config.mode == "full" or enc.suffix_ids is None:
             return WorkItem(index, record, rows=enc.full_ids, full=True, truncated=truncated, warning=warning)
         return WorkItem(index, record, rows=enc.suffix_ids, truncated=truncated, warning=warning)
 
