@@ -31,12 +31,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping
 
 from .bound import BoundTask, WindowStats, WorkItem
-from .errors import InputError
 from .generate import Generation, GenerationConfig, eos_ids_of, generate_rows
 from .kv import PrefixKV
 from .models import LoadedModel
 from .pool import PrefixPool
-from .prompt import SENTINEL, Encoded, split_at_sentinel, template_lead
+from .prompt import SENTINEL, RecordSlot, split_at_sentinel, template_lead
 from .runner import Record, RunConfig
 from .task import ExtractTask
 
@@ -46,7 +45,7 @@ from .task import ExtractTask
 
 
 @dataclass(frozen=True)
-class ExtractPrompt:
+class ExtractPrompt(RecordSlot):
     """An extraction task rendered for one tokenizer (see :class:`prefixcache.prompt.Prompt` for the fields)."""
 
     task: ExtractTask
@@ -56,29 +55,9 @@ class ExtractPrompt:
     prefix_ids: tuple[int, ...]
     heal: int
 
-    def suffix_text(self, record: Mapping[str, object], record_id: object = None) -> str:
-        """The record's part of the prompt: the filled template (minus its lead) plus the tail.
-
-        Raises:
-            InputError: a template field is missing or not text; names the record and the field.
-        """
-        values = {}
-        for name in self.task.input_fields:
-            value = record.get(name)
-            if value is None:
-                raise InputError(f"record {record_id!r}: missing field {name!r} (the task's input_template needs it)")
-            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-                raise InputError(f"record {record_id!r}: field {name!r} must be text, not {type(value).__name__}")
-            values[name] = str(value)
-        return self.task.input_template.format(**values)[len(self.lead):] + self.tail_text
-
-    def encode(self, tokenizer, texts: list[str]) -> list[Encoded]:
-        """Tokenize full prompts (``prefix_text + suffix``); ``suffix_ids`` is None where the boundary breaks."""
-        if not texts:
-            return []
-        batch = tokenizer([self.prefix_text + t for t in texts], add_special_tokens=False)["input_ids"]
-        n = len(self.prefix_ids)
-        return [Encoded(tuple(ids), tuple(ids[n:]) if tuple(ids[:n]) == self.prefix_ids else None) for ids in batch]
+    @property
+    def input_names(self) -> list[str]:
+        return self.task.input_fields
 
 
 def answer_json(task: ExtractTask, values: Mapping[str, object]) -> str:

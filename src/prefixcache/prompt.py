@@ -51,8 +51,47 @@ class Encoded:
     suffix_ids: tuple[int, ...] | None
 
 
+class RecordSlot:
+    """Where a record goes in a rendered prompt: filling it in, and tokenizing the whole prompt.
+
+    Shared by :class:`Prompt` and the extraction prompt. A subclass provides ``task``
+    (with ``input_template``), ``prefix_text``, ``lead``, ``tail_text``, ``prefix_ids``
+    and ``input_names``, the record fields the template uses.
+    """
+
+    def suffix_text(self, record: Mapping[str, object], record_id: object = None) -> str:
+        """The record's part of the prompt: the filled template (minus its lead) plus the tail.
+
+        Raises:
+            InputError: a template field is missing or not text; names the record and the field.
+        """
+        values = {}
+        for field in self.input_names:
+            if record.get(field) is None:
+                raise InputError(f"record {record_id!r}: missing field {field!r} (the task's input_template needs it)")
+            value = record[field]
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise InputError(f"record {record_id!r}: field {field!r} must be text, not {type(value).__name__}")
+            values[field] = str(value)
+        filled = self.task.input_template.format(**values)
+        return filled[len(self.lead):] + self.tail_text
+
+    def encode(self, tokenizer, texts: Sequence[str]) -> list[Encoded]:
+        """Tokenize full prompts (``prefix_text + suffix``) and check each against the stored prefix;
+        ``suffix_ids`` is None where the tokens cross the boundary."""
+        if not texts:
+            return []
+        batch = tokenizer([self.prefix_text + t for t in texts], add_special_tokens=False)["input_ids"]
+        n = len(self.prefix_ids)
+        out = []
+        for ids in batch:
+            ids = tuple(ids)
+            out.append(Encoded(ids, ids[n:] if ids[:n] == self.prefix_ids else None))
+        return out
+
+
 @dataclass(frozen=True)
-class Prompt:
+class Prompt(RecordSlot):
     """A task rendered for one tokenizer.
 
     Attributes:
@@ -75,38 +114,12 @@ class Prompt:
     heal: int
     label_ids: dict[str, tuple[int, ...]]
 
-    def suffix_text(self, record: Mapping[str, object], record_id: object = None) -> str:
-        """The record's part of the prompt: the filled template (minus its lead) plus the tail.
-
-        Raises:
-            InputError: a template field is missing or not text; names the record and the field.
-        """
-        values = {}
-        for field in self.task.fields:
-            if field not in record or record[field] is None:
-                raise InputError(f"record {record_id!r}: missing field {field!r} (the task's input_template needs it)")
-            value = record[field]
-            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-                raise InputError(f"record {record_id!r}: field {field!r} must be text, not {type(value).__name__}")
-            values[field] = str(value)
-        filled = self.task.input_template.format(**values)
-        return filled[len(self.lead):] + self.tail_text
+    @property
+    def input_names(self) -> list[str]:
+        return self.task.fields
 
     def full_text(self, record: Mapping[str, object], record_id: object = None) -> str:
         return self.prefix_text + self.suffix_text(record, record_id)
-
-    def encode(self, tokenizer, texts: Sequence[str]) -> list[Encoded]:
-        """Tokenize full prompts (``prefix_text + suffix``) and check each against the stored prefix."""
-        if not texts:
-            return []
-        batch = tokenizer([self.prefix_text + t for t in texts], add_special_tokens=False)["input_ids"]
-        n = len(self.prefix_ids)
-        out = []
-        for ids in batch:
-            ids = tuple(ids)
-            ok = ids[:n] == self.prefix_ids
-            out.append(Encoded(ids, ids[n:] if ok else None))
-        return out
 
     def first_token_ids(self) -> list[int]:
         return [ids[0] for ids in self.label_ids.values()]
