@@ -65,6 +65,24 @@ def call(server, method, path, body=None, headers=None, raw: bytes | None = None
         conn.close()
 
 
+def post_concurrently(server, path: str, task: str, requests: list[list[Record]]) -> list:
+    """Send every request at once (one thread each, released together); answers in request order."""
+    barrier = threading.Barrier(len(requests))
+    answers: list = [None] * len(requests)
+
+    def client(n):
+        items = [{"id": r.id, "text": r.fields["text"]} for r in requests[n]]
+        barrier.wait()
+        answers[n] = call(server, "POST", path, {"task": task, "items": items})
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return answers
+
+
 def metric_samples(server, headers=None) -> dict[tuple, float]:
     status, _, text = call(server, "GET", "/metrics", headers=headers)
     assert status == 200, text
@@ -114,19 +132,7 @@ def test_concurrent_requests_are_merged_and_equal_sequential_results(loaded, tas
     with serving(loaded, [task], max_batch=8, max_wait_ms=200) as server:
         runner = server.app.state.service.runner(TASK, "classify")
         before = runner.classifier.prefix.checksum()
-        barrier = threading.Barrier(len(requests))
-        answers: list = [None] * len(requests)
-
-        def client(n):
-            items = [{"id": r.id, "text": r.fields["text"]} for r in requests[n]]
-            barrier.wait()
-            answers[n] = call(server, "POST", "/v1/classify", {"task": TASK, "items": items})
-
-        threads = [threading.Thread(target=client, args=(n,)) for n in range(len(requests))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        answers = post_concurrently(server, "/v1/classify", TASK, requests)
         samples = metric_samples(server)
         after = runner.classifier.prefix.checksum()
 

@@ -10,7 +10,6 @@ record when called directly.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from importlib import resources
 
@@ -24,7 +23,7 @@ from prefixcache.task import ExtractTask, load_any_task, parse_task
 
 from conftest import EXTRACT_YAML as CONFTEST_EXTRACT_YAML
 from conftest import TASK_YAML, TEXTS
-from test_server import TASK, assert_same_prediction, call, metric, metric_samples, serving
+from test_server import TASK, assert_same_prediction, call, metric, metric_samples, post_concurrently, serving
 
 EXTRACT = "tiny-fields"
 EXTRACT_YAML = CONFTEST_EXTRACT_YAML.replace("max_new_tokens: 10", "max_new_tokens: 8")
@@ -63,21 +62,9 @@ def test_extract_equals_the_engine_and_concurrent_requests_are_merged(loaded, ex
     records = [Record(f"e{i}", {"text": TEXTS[i % len(TEXTS)] + f" (order {i})"}) for i in range(12)]
     reference = {r["id"]: r for r in engine_results(loaded, extract_task, records)}
     requests = [records[i : i + 1 + i % 2] for i in range(0, len(records), 2)]  # 1 or 2 items each
-    answers: list = [None] * len(requests)
 
     with serving(loaded, [extract_task], max_batch=8, max_wait_ms=300) as server:
-        barrier = threading.Barrier(len(requests))
-
-        def client(n):
-            items = [{"id": r.id, "text": r.fields["text"]} for r in requests[n]]
-            barrier.wait()
-            answers[n] = call(server, "POST", "/v1/extract", {"task": EXTRACT, "items": items})
-
-        threads = [threading.Thread(target=client, args=(n,)) for n in range(len(requests))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        answers = post_concurrently(server, "/v1/extract", EXTRACT, requests)
         samples = metric_samples(server)
 
     for n, (status, _, body) in enumerate(answers):
