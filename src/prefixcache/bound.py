@@ -61,6 +61,11 @@ class BoundTask:
         self._empty = empty_prefix(loaded.model)
 
     @property
+    def reencode_prefix(self) -> PrefixKV:
+        """The zero-length prefix: rows run after it are whole prompts, re-encoded in full."""
+        return self._empty
+
+    @property
     def prefix(self) -> PrefixKV:
         """The task's prefix cache: built on first use, or looked up in the pool on every access.
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Protocol, Sequence
 
-from ..engine import empty_prefix, score_rows
+from ..engine import score_rows
 from ..errors import InputError
 from ..extract import Extractor
 from ..models import LoadedModel
@@ -129,7 +129,6 @@ class ClassifyRunner(_PrefixFigures):
         prefix = self.classifier.prefix  # built (or found in the pool) here; a pool lookup again per pass
         self._remember(prefix)
         self.prefix_key = PrefixKey.of(loaded, self.classifier.prompt.prefix_ids)
-        self._empty = empty_prefix(loaded.model)
 
     def describe(self) -> dict:
         return {
@@ -149,7 +148,7 @@ class ClassifyRunner(_PrefixFigures):
         """One pass over the stored prefix (plus one over the empty prefix for boundary fallbacks)."""
         results: list[dict | None] = [None] * len(batch)
         stored = self.classifier.prefix if any(item.uses_prefix for item in batch) else None  # one lookup per pass
-        for uses_prefix, prefix in ((True, stored), (False, self._empty)):
+        for uses_prefix, prefix in ((True, stored), (False, self.classifier.reencode_prefix)):
             group = [i for i, item in enumerate(batch) if item.uses_prefix == uses_prefix]
             if not group:
                 continue
