@@ -57,6 +57,12 @@ class Lane:
     seconds: float = 0.0
     passes: float = 0.0
     pass_items: float = 0.0
+    pass_seconds: float = 0.0  # time the model thread spent in forward passes
+
+    @property
+    def busy(self) -> float:
+        """Share of the wall time the model was running a pass (the rest is HTTP, queueing and gaps)."""
+        return self.pass_seconds / self.seconds if self.seconds else 0.0
 
     @property
     def items_per_second(self) -> float:
@@ -244,14 +250,16 @@ def check(lane: Lane, outcomes, requests, reference, args) -> None:
                                        f"{want.scores.probabilities}")
 
 
-def pass_sizes(port: int, key: str) -> tuple[float, float]:
-    """(forward passes, items in them) from the server's /metrics."""
+def pass_figures(port: int, key: str) -> tuple[float, float, float]:
+    """(forward passes, items in them, seconds spent in them) from the server's /metrics."""
     conn = http.client.HTTPConnection(HOST, port, timeout=30)
     conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {key}"})
-    text = conn.getresponse().read().decode()
-    count = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("prefixcache_batch_size_count"))
-    total = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("prefixcache_batch_size_sum"))
-    return count, total
+    lines = conn.getresponse().read().decode().splitlines()
+
+    def total(series: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(series))
+
+    return total("prefixcache_batch_size_count"), total("prefixcache_batch_size_sum"), total("prefixcache_batch_seconds_sum")
 
 
 def run_lanes(lanes: list[Lane], args, requests, reference, task_name: str) -> None:
@@ -274,12 +282,13 @@ def run_lanes(lanes: list[Lane], args, requests, reference, task_name: str) -> N
         for number, (offset, chunk) in enumerate(slices):
             for lane in lanes if number % 2 == 0 else lanes[::-1]:
                 server, key = servers[lane.name]
-                before = pass_sizes(server.port, key)
+                before = pass_figures(server.port, key)
                 outcomes, seconds = drive(server.port, key, task_name, chunk, args.clients)
-                after = pass_sizes(server.port, key)
+                after = pass_figures(server.port, key)
                 lane.seconds += seconds
                 lane.passes += after[0] - before[0]
                 lane.pass_items += after[1] - before[1]
+                lane.pass_seconds += after[2] - before[2]
                 check(lane, [(offset + n, *rest) for n, *rest in outcomes], requests, reference, args)
                 print(f"[{lane.name}] round {number + 1}/{len(slices)}: {len(chunk)} requests in {seconds:.1f} s", flush=True)
     finally:
@@ -293,12 +302,13 @@ def run_lanes(lanes: list[Lane], args, requests, reference, task_name: str) -> N
 def report(lanes: list[Lane], args) -> bool:
     batched, single = lanes
     ratio = batched.items_per_second / single.items_per_second if single.items_per_second else float("inf")
-    head = f"{'lane':<22}{'items':>7}{'errors':>8}{'mismatch':>10}{'items/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'mean pass':>11}"
+    head = f"{'lane':<22}{'items':>7}{'errors':>8}{'mismatch':>10}{'items/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'mean pass':>11}{'pass ms':>9}{'busy':>6}"
     print("\n" + head + "\n" + "-" * len(head))
     for lane in lanes:
         mean_pass = lane.pass_items / lane.passes if lane.passes else float("nan")
+        pass_ms = 1000 * lane.pass_seconds / lane.passes if lane.passes else float("nan")
         print(f"{lane.name:<22}{lane.items:>7}{len(lane.errors):>8}{len(lane.mismatches):>10}{lane.items_per_second:>10.2f}"
-              f"{lane.percentile(0.5):>9.0f}{lane.percentile(0.99):>9.0f}{mean_pass:>11.1f}")
+              f"{lane.percentile(0.5):>9.0f}{lane.percentile(0.99):>9.0f}{mean_pass:>11.1f}{pass_ms:>9.0f}{lane.busy:>6.0%}")
     errors = sum(len(lane.errors) + len(lane.mismatches) for lane in lanes)
     near = sum(lane.near_ties for lane in lanes)
     diff = max(lane.max_prob_diff for lane in lanes)
@@ -316,7 +326,8 @@ def report(lanes: list[Lane], args) -> bool:
             json.dump({"ratio": ratio, "cpus": os.cpu_count(), "load_average_end": os.getloadavg(), "errors": errors, "near_ties": near, "max_prob_diff": diff, "lanes": [
                 {"name": lane.name, "max_batch": lane.max_batch, "items": lane.items, "seconds": lane.seconds,
                  "items_per_second": lane.items_per_second, "p50_ms": lane.percentile(0.5), "p99_ms": lane.percentile(0.99),
-                 "errors": len(lane.errors), "mismatches": len(lane.mismatches), "passes": lane.passes}
+                 "errors": len(lane.errors), "mismatches": len(lane.mismatches), "passes": lane.passes,
+                 "pass_seconds": lane.pass_seconds}
                 for lane in lanes]}, fh, indent=2)
     return ok
 

@@ -218,6 +218,19 @@ def test_max_tokens_per_item_422_names_the_item(loaded, task):
     assert "max_item_tokens=24" in body["detail"]
 
 
+def test_an_item_over_the_models_context_is_422_naming_it(loaded, task):
+    """The server prepares items with the engine's own preparation, so the context check applies too:
+    the tiny model takes 512 positions, and the item below fits max_item_tokens but not the context."""
+    long_text = "my card was charged twice " * 120
+    with serving(loaded, [task], max_item_tokens=4096) as server:
+        items = ["refund", {"id": "too-long", "text": long_text}]
+        status, _, body = call(server, "POST", "/v1/classify", {"task": TASK, "items": items})
+        assert status == 422, body
+        assert body["item"] == 1 and "item 1" in body["detail"] and "too-long" in body["detail"], body
+        assert "context" in body["detail"], body
+        assert call(server, "POST", "/v1/classify", {"task": TASK, "items": ["refund"]})[0] == 200  # the server lives on
+
+
 def test_bad_items_422_name_the_item(loaded, task):
     with serving(loaded, [task]) as server:
         status, _, body = call(server, "POST", "/v1/classify", {"task": TASK, "items": ["ok", {"id": "q", "body": "no text"}]})

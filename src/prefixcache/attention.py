@@ -10,7 +10,9 @@ attends in two parts and merges them exactly:
 * prefix part: every query of every row (and every head of a kv group) is
   folded into one long query sequence against the single prefix copy, so the
   prefix is read once per layer, never expanded to ``B x P``;
-* own part: each row against its own tokens, under the causal/padding mask;
+* own part: each row against its own tokens, under the causal/padding mask,
+  with the heads of a kv group folded into one query sequence (no per-head
+  copies of the keys);
 * merge: ``softmax`` over the concatenated keys equals the two partial
   softmaxes weighted by their log-sum-exps (a sigmoid of their difference).
 
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "prefixcache"
@@ -74,10 +76,12 @@ def shared_prefix_attention(
     groups = heads // key.own.shape[1]
     scale = head_dim**-0.5 if scaling is None else scaling
 
-    own_mask = _own_mask(attention_mask, prefix_len, width, own_len, query.device)  # [B, 1, T, S]
-    out, lse = _attend(query, repeat_kv(key.own, groups), repeat_kv(value.own, groups), own_mask, scale)
+    kv_heads = key.own.shape[1]
+    own_mask = _own_mask(attention_mask, prefix_len, width, own_len, query.device)  # [B|1, 1, T, S]
+    grouped = query.reshape(batch, kv_heads, groups * width, head_dim)  # [B, kv, g*T, d]: a kv group's heads in a row
+    out, lse = _attend(grouped, key.own, value.own, own_mask.repeat(1, 1, groups, 1), scale)  # no per-head key copies
+    out, lse = out.view(query.shape), lse.reshape(batch, heads, width)  # [B, H, T, d], [B, H, T]
     if prefix_len:
-        kv_heads = key.prefix.shape[1]
         folded = query.view(batch, kv_heads, groups, width, head_dim).transpose(0, 1)  # [kv, B, g, T, d]
         folded = folded.reshape(1, kv_heads, batch * groups * width, head_dim)  # [1, kv, B*g*T, d]
         out_p, lse_p = _attend(folded, key.prefix, value.prefix, None, scale)

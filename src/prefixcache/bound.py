@@ -13,8 +13,8 @@ one call (a pool may evict its entry meanwhile, never from under a running call)
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Iterator, Sequence
 
 from .engine import empty_prefix
 from .errors import InputError
@@ -97,11 +97,11 @@ class BoundTask:
         if window:
             yield from self._window(window, config, progress, stats, prefix)
 
-    def _plan(self, items: list[WorkItem], config, stored: PrefixKV) -> Iterator[tuple[PrefixKV, list[WorkItem]]]:
-        """Batches, each over one prefix: full re-encodes (and boundary fallbacks) after the empty
-        prefix, the rest after ``stored``. ``batched`` sorts by length to cut padding."""
+    def _plan(self, items: Sequence[WorkItem], size: int, stored: PrefixKV) -> Iterator[tuple[PrefixKV, list[WorkItem]]]:
+        """Batches of up to ``size`` items, each over one prefix: full re-encodes (and boundary fallbacks)
+        after the empty prefix, the rest after ``stored``. With ``size > 1`` items are sorted by length
+        to cut padding."""
         runnable = [it for it in items if it.error is None]
-        size = config.batch_size if config.mode == "batched" else 1
         for use_full in (True, False):
             group = [it for it in runnable if it.full == use_full]
             if size > 1:
@@ -110,14 +110,13 @@ class BoundTask:
             for start in range(0, len(group), size):
                 yield prefix, group[start : start + size]
 
-    def _window(self, records: list, config, progress, stats, stored: PrefixKV) -> Iterator:
-        """Prepare, plan, run and report one window; yields one result per record, in input order."""
-        started = time.perf_counter()
-        items = self._prepare(records, config)
+    def _execute(self, items: Sequence[WorkItem], size: int, stored: PrefixKV, stats, mode: str, progress=None) -> dict:
+        """Run ``items`` (whose ``index`` values are distinct) in batches of ``size``; index -> result.
+        Items with an ``error`` get their error result without running."""
         results: dict[int, object] = {}
-        for prefix, batch in self._plan(items, config, stored):
+        for prefix, batch in self._plan(items, size, stored):
             for item, output in zip(batch, self._run(prefix, batch, stats)):
-                results[item.index] = self._result(item, output, config.mode)
+                results[item.index] = self._result(item, output, mode)
             if progress:
                 progress(len(batch))
         for item in items:
@@ -125,6 +124,14 @@ class BoundTask:
                 results[item.index] = self._failed(item)
                 if progress:
                     progress(1)
+        return results
+
+    def _window(self, records: list, config, progress, stats, stored: PrefixKV) -> Iterator:
+        """Prepare, plan, run and report one window; yields one result per record, in input order."""
+        started = time.perf_counter()
+        items = self.prepare(records, config)
+        size = config.batch_size if config.mode == "batched" else 1
+        results = self._execute(items, size, stored, stats, config.mode, progress)
         stats.records += len(items)
         stats.boundary_fallbacks += sum(1 for i in items if i.full and config.mode != "full")
         self._tally(stats, items, results)
@@ -132,10 +139,13 @@ class BoundTask:
         for item in items:
             yield results[item.index]
 
-    def _prepare(self, records: list, config) -> list[WorkItem]:
+    def prepare(self, records: Sequence, config, tokenizer=None) -> list[WorkItem]:
         """One WorkItem per record, in input order: rendered, tokenized as the full prompt, then routed.
 
-        A record the reader marked bad, or whose fields do not fit the template, gets an ``error``.
+        A record the reader marked bad, or whose fields do not fit the template (or, for a
+        classifier under ``overflow="error"``, the context), gets an ``error`` instead of rows.
+        ``tokenizer`` defaults to the model's; a caller on another thread passes its own copy.
+        Reads only the prompt and the task, so it may run while another thread runs the model.
         """
         texts, items = [], []
         for i, record in enumerate(records):
@@ -146,10 +156,27 @@ class BoundTask:
                 texts.append((i, self.prompt.suffix_text(record.fields, record.id)))
             except InputError as exc:
                 items.append(WorkItem(i, record, error=str(exc)))
-        encoded = self.prompt.encode(self.loaded.tokenizer, [t for _, t in texts])
+        encoded = self.prompt.encode(tokenizer or self.loaded.tokenizer, [t for _, t in texts])
         for (i, _), enc in zip(texts, encoded):
             items.append(self._route(i, records[i], enc, config))
         return sorted(items, key=lambda it: it.index)
+
+    def run_prepared(self, items: Sequence[WorkItem]) -> list:
+        """Run already prepared ``items`` (from :meth:`prepare`, possibly of several calls) as one batch
+        per prefix: the stored prefix (looked up once), and the empty one for full re-encodes.
+
+        Returns one result per item, in the items' order (an item with ``error`` gets its error result).
+        This is the server's forward pass: it is ``batched`` mode over exactly these items.
+        """
+        items = [replace(item, index=position) for position, item in enumerate(items)]
+        needs_prefix = any(it.error is None and not it.full for it in items)
+        stored = self.prefix if needs_prefix else self._empty
+        results = self._execute(items, max(1, len(items)), stored, self.new_stats(), "batched")
+        return [results[item.index] for item in items]
+
+    def new_stats(self):
+        """A fresh counters object of this task kind's type."""
+        raise NotImplementedError
 
     def _route(self, index: int, record, enc, config) -> WorkItem:
         """A tokenized record as an item: after the stored prefix, or in full (``full`` mode, or a

@@ -6,7 +6,7 @@ fields in the system message and each example's answer as a JSON object. The
 :class:`Extractor` then runs the same four stages as the classifier per window
 of records:
 
-1. ``_prepare``: render and tokenize each record, checking the prefix boundary;
+1. ``prepare``: render and tokenize each record, checking the prefix boundary;
 2. ``_plan``: cut the window into batches (length-sorted in ``batched`` mode);
 3. ``_run``: one :func:`~prefixcache.generate.generate_rows` call per batch;
 4. ``_emit``: parse each output as JSON and yield Extractions in input order.
@@ -201,6 +201,9 @@ class Extractor(BoundTask):
 
     def extract_all(self, records: Iterable[Record], config: RunConfig = RunConfig(), **kw) -> list[Extraction]:
         return list(self.extract(records, config, **kw))
+
+    def new_stats(self) -> ExtractStats:
+        return ExtractStats()
 
     def _run(self, prefix: PrefixKV, batch: list[WorkItem], stats: ExtractStats) -> list[Generation]:
         rows = [it.rows for it in batch]

@@ -2,7 +2,7 @@
 
 The loop reads as four stages per window of records:
 
-1. ``_prepare``: render and tokenize each record, fit it to the context, check the prefix boundary;
+1. ``prepare``: render and tokenize each record, fit it to the context, check the prefix boundary;
 2. ``_plan``: cut the window into batches (length-sorted in ``batched`` mode);
 3. ``_run``: one :func:`~prefixcache.engine.score_rows` call per batch;
 4. ``_emit``: restore input order and yield Predictions.
@@ -150,6 +150,9 @@ class Classifier(BoundTask):
 
     def classify_all(self, records: Iterable[Record], config: RunConfig = RunConfig(), **kw) -> list[Prediction]:
         return list(self.classify(records, config, **kw))
+
+    def new_stats(self) -> RunStats:
+        return RunStats()
 
     def _route(self, index: int, record: Record, enc: Encoded, config: RunConfig) -> WorkItem:
         """One tokenized record as an item: fitted to the context (or failed), fed after the prefix or in full."""

@@ -44,7 +44,8 @@ from typing import Iterator, Sequence
 
 from .errors import QueueFullError, ShuttingDownError
 from .metrics import Metrics
-from .runners import Prepared, TaskRunner
+from ..bound import WorkItem
+from .runners import TaskRunner
 from .settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 class _Job:
     """One request's items and the future its handler awaits."""
 
-    items: Sequence[Prepared]
+    items: Sequence[WorkItem]
     future: asyncio.Future
     enqueued_at: float
     results: list = field(init=False)
@@ -159,7 +160,7 @@ class MicroBatcher:
             self._admitted -= count
             self._metrics.in_progress.set(self._admitted)
 
-    async def submit(self, runner: TaskRunner, items: Sequence[Prepared]) -> list[dict]:
+    async def submit(self, runner: TaskRunner, items: Sequence[WorkItem]) -> list[dict]:
         """Queue ``items`` for ``runner`` and wait for their results (one per item, in order).
 
         Call it inside ``admit(len(items))``: the queue bound is enforced there.
@@ -233,7 +234,7 @@ class MicroBatcher:
             return
         finally:
             self._free_since = loop.time()
-        hits = sum(1 for item in items if item.uses_prefix)
+        hits = sum(1 for item in items if not item.full)
         self._metrics.record_batch(runner.task.name, runner.kind, len(items), hits, loop.time() - started)
         for (job, position), result in zip(batch, results):
             job.results[position] = result

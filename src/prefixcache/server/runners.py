@@ -3,11 +3,17 @@
 A runner binds one task to one model. It has two halves, run on two threads:
 
 * :meth:`TaskRunner.prepare` (the *prep* thread): turn request items into
-  token rows, checking every limit and naming the item that breaks one. It
-  tokenizes with the prep thread's own tokenizer copy, never the model
-  thread's, so the two threads never share a tokenizer.
+  :class:`~prefixcache.bound.WorkItem` token rows with the engine's own
+  :meth:`~prefixcache.bound.BoundTask.prepare` (rendering, the prefix boundary
+  check and, for classification, the context check), then check the server's
+  limits, naming the item that breaks one. It tokenizes with the prep thread's
+  own tokenizer copy, never the model thread's.
 * :meth:`TaskRunner.run` (the *model* thread): one forward pass for a batch of
-  prepared items, possibly from many requests; results in the batch's order.
+  prepared items, possibly from many requests, through
+  :meth:`~prefixcache.bound.BoundTask.run_prepared`; results in the batch's order.
+
+So a server result is exactly what the library returns for that record in
+``batched`` mode: the same preparation and the same engine call.
 
 Runners are chosen by the task's ``kind`` through :data:`RUNNER_KINDS`:
 ``classify`` (:class:`ClassifyRunner`, one scoring pass) and ``extract``
@@ -25,39 +31,16 @@ This module knows nothing about HTTP or queues.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, ClassVar, Protocol, Sequence
 
-from ..engine import score_rows
-from ..errors import InputError
+from ..bound import BoundTask, WorkItem
 from ..extract import Extractor
 from ..models import LoadedModel
 from ..pool import PrefixKey, PrefixPool
-from ..runner import Classifier, Prediction, Record, RunConfig
+from ..runner import Classifier, Record, RunConfig
 from ..task import ExtractTask, Task
 from .errors import ItemError, TaskUploadError
 from .settings import ServerSettings
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """One item ready for the model.
-
-    Attributes:
-        index: its 0-based position in the request (for error messages).
-        record: the item as a Record (id and fields).
-        rows: the tokens fed to the model after ``prefix_tokens`` cached ones.
-        prefix_tokens: stored-prefix tokens reused (0 when the item is re-encoded in full).
-    """
-
-    index: int
-    record: Record
-    rows: tuple[int, ...]
-    prefix_tokens: int
-
-    @property
-    def uses_prefix(self) -> bool:
-        return self.prefix_tokens > 0
 
 
 class TaskRunner(Protocol):
@@ -80,11 +63,11 @@ class TaskRunner(Protocol):
 
     def describe(self) -> dict: ...
 
-    def prepare(self, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[Prepared]:
+    def prepare(self, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[WorkItem]:
         """Tokenize ``records`` with ``tokenizer``. Raises ItemError naming the first bad item."""
         ...
 
-    def run(self, batch: Sequence[Prepared]) -> list[dict]:
+    def run(self, batch: Sequence[WorkItem]) -> list[dict]:
         """Forward ``batch`` (any mix of requests) and return one JSON-ready result per item, in order."""
         ...
 
@@ -141,35 +124,20 @@ class ClassifyRunner(_PrefixFigures):
             "prefix_bytes": self.prefix_bytes,
         }
 
-    def prepare(self, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[Prepared]:
-        return prepare_items(self.classifier.prompt, tokenizer, records, max_item_tokens)
+    def prepare(self, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[WorkItem]:
+        return prepare_items(self.classifier, tokenizer, records, max_item_tokens)
 
-    def run(self, batch: Sequence[Prepared]) -> list[dict]:
+    def run(self, batch: Sequence[WorkItem]) -> list[dict]:
         """One pass over the stored prefix (plus one over the empty prefix for boundary fallbacks)."""
-        results: list[dict | None] = [None] * len(batch)
-        stored = self.classifier.prefix if any(item.uses_prefix for item in batch) else None  # one lookup per pass
-        for uses_prefix, prefix in ((True, stored), (False, self.classifier.reencode_prefix)):
-            group = [i for i, item in enumerate(batch) if item.uses_prefix == uses_prefix]
-            if not group:
-                continue
-            head = self.classifier.head
-            logprobs = score_rows(self.classifier.loaded.model, prefix, [batch[i].rows for i in group], head)  # [B, L]
-            for i, scores in zip(group, head.to_scores(logprobs)):
-                results[i] = Prediction(batch[i].record.id, scores, boundary_fallback=not uses_prefix).to_json()
-        return results  # type: ignore[return-value]  # every slot was filled above
+        return [prediction.to_json() for prediction in self.classifier.run_prepared(batch)]
 
 
 class ExtractRunner(_PrefixFigures):
     """An extraction task (``kind: extract``) on a model, over :class:`~prefixcache.extract.Extractor`.
 
-    ``prepare`` tokenizes exactly like the extractor (to check limits and count usage);
-    ``run`` hands the batch's records to :meth:`Extractor.extract` in ``batched`` mode
-    with the whole batch as one generation batch, so a pass is one
-    :func:`~prefixcache.generate.generate_rows` call over the stored prefix (plus one
-    over the empty prefix for boundary fallbacks), and every result is exactly what the
-    extraction engine returns for that record. The extractor tokenizes the records
-    again on the model thread; next to up to ``max_new_tokens`` decoding steps that is
-    negligible, and it keeps one code path for extraction.
+    A pass is one :func:`~prefixcache.generate.generate_rows` call over the stored prefix
+    (plus one over the empty prefix for boundary fallbacks), and every result is exactly
+    what the extraction engine returns for that record.
 
     Raises (on construction): as :class:`ClassifyRunner`.
     """
@@ -200,44 +168,41 @@ class ExtractRunner(_PrefixFigures):
             "prefix_bytes": self.prefix_bytes,
         }
 
-    def prepare(self, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[Prepared]:
-        return prepare_items(self.extractor.prompt, tokenizer, records, max_item_tokens)
+    def prepare(self, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[WorkItem]:
+        return prepare_items(self.extractor, tokenizer, records, max_item_tokens)
 
-    def run(self, batch: Sequence[Prepared]) -> list[dict]:
+    def run(self, batch: Sequence[WorkItem]) -> list[dict]:
         """Greedy generation for the whole batch at once; results in the batch's order."""
-        config = RunConfig("batched", batch_size=len(batch), window=len(batch))
-        return [extraction.to_json() for extraction in self.extractor.extract([item.record for item in batch], config)]
+        return [extraction.to_json() for extraction in self.extractor.run_prepared(batch)]
 
 
-def prepare_items(prompt, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[Prepared]:
-    """Tokenize ``records`` with ``prompt`` (a classification or extraction prompt) and check the limits.
-
-    An item whose tokens cross the prefix boundary is re-encoded in full (invariant 3).
+def prepare_items(bound: BoundTask, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[WorkItem]:
+    """``records`` prepared by ``bound`` (a Classifier or an Extractor) with ``tokenizer``, then checked
+    against the server's limits. An item whose tokens cross the prefix boundary is re-encoded in full
+    (invariant 3).
 
     Raises:
-        ItemError: naming the first item with a missing or non-text field, or over ``max_item_tokens``.
+        ItemError: naming the first item that cannot be rendered (a missing or non-text field), does
+            not fit the model's context, or has more than ``max_item_tokens`` tokens of its own.
     """
-    texts = []
-    for index, record in enumerate(records):
-        try:
-            texts.append(prompt.suffix_text(record.fields, record.id))
-        except InputError as exc:
-            raise ItemError(f"item {index}: {exc}", item=index) from None
-    prefix_tokens = len(prompt.prefix_ids)
-    prepared = []
-    for index, (record, encoded) in enumerate(zip(records, prompt.encode(tokenizer, texts))):
-        own = len(encoded.full_ids) - prefix_tokens
+    items = bound.prepare(records, RunConfig("batched"), tokenizer)
+    prefix_tokens = len(bound.prompt.prefix_ids)
+    for item in items:
+        if item.error is not None:
+            raise ItemError(f"item {item.index}: {item.error}", item=item.index)
+        own = len(item.rows) - (prefix_tokens if item.full else 0)
         if own > max_item_tokens:
             raise ItemError(
-                f"item {index} (id {record.id!r}): {own} tokens, more than max_item_tokens={max_item_tokens}; "
+                f"item {item.index} (id {item.record.id!r}): {own} tokens, more than max_item_tokens={max_item_tokens}; "
                 "shorten it or split it",
-                item=index,
+                item=item.index,
             )
-        if encoded.suffix_ids is None:  # crosses the prefix boundary: re-encode in full (invariant 3)
-            prepared.append(Prepared(index, record, encoded.full_ids, 0))
-        else:
-            prepared.append(Prepared(index, record, encoded.suffix_ids, prefix_tokens))
-    return prepared
+    return items
+
+
+def reused_prefix_tokens(runner: TaskRunner, items: Sequence[WorkItem]) -> int:
+    """Stored-prefix tokens that ``items`` did not recompute (none for an item re-encoded in full)."""
+    return sum(runner.prefix_tokens for item in items if not item.full)
 
 
 def _check_prefix_limit(name: str, length: int, limit: int | None) -> None:

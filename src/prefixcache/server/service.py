@@ -39,7 +39,7 @@ from ..task import ExtractTask, Task
 from .batcher import MicroBatcher
 from .errors import RequestLimitError, TaskUploadError, UnknownTaskError, WrongTaskKindError
 from .metrics import Metrics
-from .runners import TaskRunner, build_runner
+from .runners import TaskRunner, build_runner, reused_prefix_tokens
 from .settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class Service:
                 self._prep_thread, runner.prepare, self._prep_tokenizer, records, self.settings.max_item_tokens
             )
             results = await self.batcher.submit(runner, prepared)
-        usage = Usage(sum(p.prefix_tokens for p in prepared), sum(len(p.rows) for p in prepared))
+        usage = Usage(reused_prefix_tokens(runner, prepared), sum(len(item.rows) for item in prepared))
         return results, usage
 
 
