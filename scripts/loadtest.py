@@ -29,6 +29,7 @@ import argparse
 import http.client
 import itertools
 import json
+import math
 import os
 import secrets
 import signal
@@ -53,6 +54,9 @@ class Lane:
     mismatches: list[str] = field(default_factory=list)
     near_ties: int = 0
     max_prob_diff: float = 0.0
+    max_logprob_diff: float = 0.0  # the lane's largest |log-prob difference| from the sequential result
+    steady_drift: float = 0.0  # the same, over responses whose label did not change: the lane's numerical noise
+    flips: list = field(default_factory=list)  # (reference margin, description) of every changed label
     items: int = 0
     seconds: float = 0.0
     passes: float = 0.0
@@ -87,8 +91,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-wait-ms", type=float, default=5.0)
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds per lane (A B, B A, ...), against load drift")
     p.add_argument("--tolerance", type=float, default=1e-4, help="largest |probability difference| counted as equal")
-    p.add_argument("--near-tie", type=float, default=1e-3,
-                   help="a reference margin (log-prob) below this is a near tie: a flipped label there is flagged, not failed")
+    p.add_argument("--near-tie", type=float, default=None,
+                   help="a reference margin (log-prob) at or below this is a near tie: a changed label there is flagged, "
+                        "not failed (default: twice the lane's max |log-prob difference| over the responses whose label "
+                        "did not change: its numerical noise)")
     p.add_argument("--target", type=float, default=4.0, help="required throughput ratio, micro-batched / one at a time")
     p.add_argument("--json", dest="json_path", default=None, help="also write the figures as JSON here")
     return p.parse_args()
@@ -116,20 +122,63 @@ def workload(n_requests: int, per_request: int, distinct: int) -> list[list[dict
     return [items[i : i + per_request] for i in range(0, len(items), per_request)]
 
 
-def sequential_reference(args, requests) -> dict[str, object]:
-    """Every distinct text classified alone, in this process: text -> Prediction."""
+@dataclass
+class Ceiling:
+    """What the engine itself does on the same items, in this process, with no HTTP: the most any
+    server can reach, since a server pass is an engine pass.
+
+    ``ideal_ms`` is the batched per-item time at 100% of the measured matmul peak, counting the
+    linear layers' and the attention's FLOPs only; ``bound`` is the ratio even that would give.
+    """
+
+    one_ms: float  # per item, one item per pass (the reference run)
+    batched_ms: float  # per item, ``batch`` items per pass
+    batch: int
+    ideal_ms: float
+    peak_gflops: float
+    dtype: str
+
+    @property
+    def ratio(self) -> float:
+        return self.one_ms / self.batched_ms
+
+    @property
+    def bound(self) -> float:
+        return self.one_ms / self.ideal_ms
+
+
+def sequential_reference(args, requests) -> tuple[dict[str, object], Ceiling]:
+    """Every distinct text classified alone, in this process (text -> Prediction), and the engine's ceiling."""
     from prefixcache import Classifier, Record, RunConfig, load_model, load_task
+    from prefixcache.bench import matmul_peak_gflops, nonembedding_params
+    from prefixcache.runner import RunStats, warmup
 
     loaded = load_model(args.model, args.dtype, args.threads)
     classifier = Classifier(loaded, load_task(args.task))
     texts = list(dict.fromkeys(item["text"] for request in requests for item in request))
     records = [Record(text, {"text": text}) for text in texts]
+    warmup(classifier)
     started = time.perf_counter()
-    predictions = classifier.classify_all(records, RunConfig("cached", 1))
-    seconds = time.perf_counter() - started
-    print(f"sequential reference: {len(records)} distinct items one per pass in-process, {len(records) / seconds:.1f} items/s "
-          f"({loaded.identity}, {str(loaded.dtype).removeprefix('torch.')})", flush=True)
-    return {p.id: p for p in predictions}
+    stats = RunStats()
+    predictions = classifier.classify_all(records, RunConfig("cached", 1), stats=stats)
+    one_ms = 1000 * (time.perf_counter() - started) / len(records)
+    batched_ms = float("inf")
+    for _ in range(2):  # best of two: the figure is a ceiling
+        started = time.perf_counter()
+        classifier.classify_all(records, RunConfig("batched", args.max_batch))
+        batched_ms = min(batched_ms, 1000 * (time.perf_counter() - started) / len(records))
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    peak = matmul_peak_gflops(loaded.dtype)
+    config = loaded.model.config.get_text_config(decoder=True)
+    prefix = len(classifier.prompt.prefix_ids)
+    width = config.num_attention_heads * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    own = stats.tokens_computed / len(records)
+    per_token = 2 * nonembedding_params(loaded.model) + 4 * config.num_hidden_layers * width * (prefix + own / 2)
+    ideal_ms = 1000 * per_token * own / (peak * 1e9)
+    ceiling = Ceiling(one_ms, batched_ms, args.max_batch, ideal_ms, peak, dtype)
+    print(f"sequential reference: {len(records)} distinct items one per pass in-process, {1000 / one_ms:.1f} items/s "
+          f"({loaded.identity}, {dtype})", flush=True)
+    return {p.id: p for p in predictions}, ceiling
 
 
 class Server:
@@ -227,7 +276,11 @@ def drive(port: int, key: str, task: str, requests: list[list[dict]], clients: i
 
 
 def check(lane: Lane, outcomes, requests, reference, args) -> None:
-    """Compare every response with the sequential reference; fill the lane's figures."""
+    """Compare every response with the sequential reference; fill the lane's figures.
+
+    Changed labels are only collected here: whether each is a near tie depends on the lane's
+    drift over all its responses (see :func:`settle`).
+    """
     for n, status, data, seconds in outcomes:
         lane.latencies.append(seconds)
         if status != 200:
@@ -241,13 +294,33 @@ def check(lane: Lane, outcomes, requests, reference, args) -> None:
         lane.items += len(results)
         for item, result in zip(requests[n], results):
             want = reference[item["text"]]
-            diff = max(abs(result["scores"][label] - p) for label, p in want.scores.probabilities.items())
+            pairs = [(result["scores"][label], p) for label, p in want.scores.probabilities.items()]
+            diff = max(abs(got - p) for got, p in pairs)
+            drift = max(abs(math.log(got) - math.log(p)) for got, p in pairs)
             lane.max_prob_diff = max(lane.max_prob_diff, diff)
-            if result["label"] != want.label and want.scores.margin < args.near_tie:
-                lane.near_ties += 1
-            elif result["label"] != want.label or diff > args.tolerance:
-                lane.mismatches.append(f"{result['id']}: {result['label']} {result['scores']} vs sequential {want.label} "
-                                       f"{want.scores.probabilities}")
+            lane.max_logprob_diff = max(lane.max_logprob_diff, drift)
+            description = f"{result['id']}: {result['label']} {result['scores']} vs sequential {want.label} {want.scores.probabilities}"
+            if result["label"] != want.label:
+                lane.flips.append((want.scores.margin, description))
+                continue
+            lane.steady_drift = max(lane.steady_drift, drift)
+            if diff > args.tolerance:
+                lane.mismatches.append(description)
+
+
+def settle(lane: Lane, args) -> float:
+    """Sort the lane's changed labels into flagged near ties and mismatches; return the near-tie bound used.
+
+    The default bound is twice the drift measured on the responses whose label did not change, so a
+    grossly wrong response cannot widen the bound that would excuse it.
+    """
+    bound = args.near_tie if args.near_tie is not None else 2 * lane.steady_drift
+    for margin, description in lane.flips:
+        if margin <= bound:
+            lane.near_ties += 1
+        else:
+            lane.mismatches.append(description)
+    return bound
 
 
 def pass_figures(port: int, key: str) -> tuple[float, float, float]:
@@ -299,8 +372,9 @@ def run_lanes(lanes: list[Lane], args, requests, reference, task_name: str) -> N
               f"p50 {lane.percentile(0.5):.0f} ms, p99 {lane.percentile(0.99):.0f} ms", flush=True)
 
 
-def report(lanes: list[Lane], args) -> bool:
+def report(lanes: list[Lane], args, ceiling: Ceiling) -> bool:
     batched, single = lanes
+    bounds = [settle(lane, args) for lane in lanes]
     ratio = batched.items_per_second / single.items_per_second if single.items_per_second else float("inf")
     head = f"{'lane':<22}{'items':>7}{'errors':>8}{'mismatch':>10}{'items/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'mean pass':>11}{'pass ms':>9}{'busy':>6}"
     print("\n" + head + "\n" + "-" * len(head))
@@ -315,7 +389,12 @@ def report(lanes: list[Lane], args) -> bool:
     print(f"\nthroughput ratio (micro-batched / max-batch 1): {ratio:.2f}x  (target >= {args.target:g}x); "
           f"load average at the end {machine_load()} on {os.cpu_count()} CPUs")
     print(f"responses equal to the sequential result: {'all' if not errors else 'NOT all'}; max |prob diff| {diff:.1e} "
-          f"(tolerance {args.tolerance:g}); near-tie label flips flagged: {near}")
+          f"(tolerance {args.tolerance:g}); max |log-prob diff| {max(lane.max_logprob_diff for lane in lanes):.1e}; "
+          f"near-tie label flips flagged: {near} (margin <= {max(bounds):.2g})")
+    print(f"engine in-process on the same items (no HTTP): {ceiling.one_ms:.1f} ms/item one per pass, "
+          f"{ceiling.batched_ms:.1f} ms/item at B={ceiling.batch}: ceiling {ceiling.ratio:.2f}x; "
+          f"at 100% of the {ceiling.dtype} matmul peak ({ceiling.peak_gflops:.0f} GFLOP/s) a batched item would take "
+          f"{ceiling.ideal_ms:.1f} ms: bound {ceiling.bound:.1f}x")
     for lane in lanes:
         for line in (lane.errors + lane.mismatches)[:5]:
             print(f"  [{lane.name}] {line}")
@@ -323,7 +402,8 @@ def report(lanes: list[Lane], args) -> bool:
     print("PASS" if ok else "FAIL")
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as fh:
-            json.dump({"ratio": ratio, "cpus": os.cpu_count(), "load_average_end": os.getloadavg(), "errors": errors, "near_ties": near, "max_prob_diff": diff, "lanes": [
+            json.dump({"ratio": ratio, "engine_ceiling": ceiling.ratio, "arithmetic_bound": ceiling.bound,
+                       "engine_one_ms": ceiling.one_ms, "engine_batched_ms": ceiling.batched_ms, "cpus": os.cpu_count(), "load_average_end": os.getloadavg(), "errors": errors, "near_ties": near, "max_prob_diff": diff, "lanes": [
                 {"name": lane.name, "max_batch": lane.max_batch, "items": lane.items, "seconds": lane.seconds,
                  "items_per_second": lane.items_per_second, "p50_ms": lane.percentile(0.5), "p99_ms": lane.percentile(0.99),
                  "errors": len(lane.errors), "mismatches": len(lane.mismatches), "passes": lane.passes,
@@ -348,10 +428,10 @@ def main() -> int:
 
         args.task = snapshot_task(args.task, folder)  # from here on, the snapshot's path
         name = load_task(args.task).name
-        reference = sequential_reference(args, requests)
+        reference, ceiling = sequential_reference(args, requests)
         lanes = [Lane(f"micro-batched (<= {args.max_batch})", args.max_batch), Lane("max-batch 1", 1)]
         run_lanes(lanes, args, requests, reference, name)
-    return 0 if report(lanes, args) else 1
+    return 0 if report(lanes, args, ceiling) else 1
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.attention import _attend_cpu_flash, _attend_eager
-from prefixcache.engine import empty_prefix, forward_rows, pad_rows
+from prefixcache.engine import empty_prefix, forward_rows, last_hidden_packed, pad_rows
 from prefixcache.kv import PrefixKV
 
 
@@ -40,6 +40,47 @@ def test_fork_hidden_states_equal_plain_forward(tiny, prefix_len, lengths, seed)
             whole = torch.tensor([prefix_ids + row])  # [1, P + n], no cache: transformers' own SDPA path
             ref = model.base_model(input_ids=whole).last_hidden_state[0, prefix_len:]  # [n, H]
             torch.testing.assert_close(hidden[i, : len(row)], ref, atol=1e-4, rtol=1e-4)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    prefix_len=st.integers(0, 24),
+    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5),
+    seed=st.integers(0, 2**31),
+)
+def test_packed_rows_give_each_rows_plain_forward(tiny, prefix_len, lengths, seed):
+    """Rows laid end to end (no padding) still never see each other: each row's last hidden state is
+    transformers' own forward over prefix + that row alone."""
+    model = tiny.model
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    prefix_ids = torch.randint(3, vocab, (prefix_len,), generator=gen).tolist()
+    rows = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+    prefix = PrefixKV.build(model, prefix_ids) if prefix_ids else empty_prefix(model)
+    before = prefix.checksum()
+    with torch.inference_mode():
+        last = last_hidden_packed(model, prefix, rows)  # [B, H]
+        for i, row in enumerate(rows):
+            whole = torch.tensor([prefix_ids + row])  # [1, P + n], no cache
+            ref = model.base_model(input_ids=whole).last_hidden_state[0, -1]  # [H]
+            torch.testing.assert_close(last[i], ref, atol=1e-4, rtol=1e-4, msg=lambda m: f"row {i} of {lengths}: {m}")
+    assert prefix.checksum() == before, "a packed pass changed the stored prefix"
+
+
+def test_a_packed_fork_serves_one_pass(tiny):
+    from prefixcache.attention import Packing
+
+    prefix = PrefixKV.build(tiny.model, [5, 6, 7])
+    with pytest.raises(ValueError, match="one sequence"):
+        prefix.fork(2, Packing.of([1, 2], torch.device("cpu")))
+    with pytest.raises(ValueError, match="at least one token"):
+        Packing.of([3, 0], torch.device("cpu"))
+    cache = prefix.fork(1, Packing.of([2, 1], torch.device("cpu")))
+    layer = cache.layers[0]
+    kv = torch.zeros(1, prefix.keys[0].shape[1], 3, prefix.keys[0].shape[-1])
+    layer.update(kv, kv)
+    with pytest.raises(ValueError, match="one forward pass"):
+        layer.update(kv, kv)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

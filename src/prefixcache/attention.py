@@ -16,8 +16,12 @@ attends in two parts and merges them exactly:
 * merge: ``softmax`` over the concatenated keys equals the two partial
   softmaxes weighted by their log-sum-exps (a sigmoid of their difference).
 
+Rows may also come *packed* (:class:`Packing`): laid end to end as one
+sequence with no padding, so that the model's linear layers never compute
+pads; only the small own part is unpacked to padded rows.
+
 Every row attends to the whole prefix (the contract of a fork); the mask the
-model builds is consulted only for the own tokens. Ordinary key tensors (a
+model builds is consulted only for the own tokens of padded rows. Ordinary key tensors (a
 ``DynamicCache`` building a prefix, or no cache) go to transformers' SDPA path
 unchanged. A :class:`SharedKV` reaching any other attention implementation
 fails loudly instead of silently dropping the prefix.
@@ -26,6 +30,7 @@ fails loudly instead of silently dropping the prefix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from transformers import AttentionInterface
@@ -36,11 +41,55 @@ NAME = "prefixcache"
 
 
 @dataclass(frozen=True)
+class Packing:
+    """Rows of unequal length laid end to end as one sequence of ``N`` tokens (no padding).
+
+    Linear layers, norms and the MLP then do no work on pads; only the rows' own attention
+    is done padded (:meth:`unpack`, then :meth:`pack` back), and it is small.
+    """
+
+    lengths: tuple[int, ...]
+    slots: torch.Tensor  # [N]: each packed token's place in the right-padded [B * T] layout
+    offsets: torch.Tensor  # [N]: each packed token's position within its row
+    last: torch.Tensor  # [B]: each row's last token in the packed sequence
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], device) -> Packing:
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"packed rows need at least one token each, got lengths {list(lengths)}")
+        width = max(lengths)
+        offsets = torch.cat([torch.arange(n, device=device) for n in lengths])  # [N]
+        row = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+        ends = torch.tensor(lengths, device=device).cumsum(0) - 1
+        return cls(tuple(lengths), row * width + offsets, offsets, ends)
+
+    @property
+    def width(self) -> int:
+        return max(self.lengths)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """``[1, h, N, ...]`` -> right-padded ``[B, h, T, ...]`` (pads are zeros)."""
+        tokens = x[0].transpose(0, 1)  # [N, h, ...]
+        padded = tokens.new_zeros((len(self.lengths) * self.width, *tokens.shape[1:]))
+        padded.index_copy_(0, self.slots, tokens)
+        return padded.view(len(self.lengths), self.width, *tokens.shape[1:]).transpose(1, 2)
+
+    def pack(self, y: torch.Tensor) -> torch.Tensor:
+        """Right-padded ``[B, h, T, ...]`` -> ``[1, h, N, ...]`` (pads dropped)."""
+        tokens = y.transpose(1, 2).reshape(len(self.lengths) * self.width, *y.shape[1:2], *y.shape[3:])
+        return tokens.index_select(0, self.slots).transpose(0, 1)[None]
+
+
+@dataclass(frozen=True)
 class SharedKV:
-    """Keys (or values) of one layer for a batch: the shared prefix and the rows' own tokens."""
+    """Keys (or values) of one layer for a batch: the shared prefix and the rows' own tokens.
+
+    With ``packing``, ``own`` is ``[1, kv_heads, N, head_dim]``: the rows laid end to end.
+    """
 
     prefix: torch.Tensor  # [1, kv_heads, P, head_dim], read-only
     own: torch.Tensor  # [B, kv_heads, S, head_dim]
+    packing: Packing | None = None
 
 
 def use_shared_prefix_attention(model: torch.nn.Module) -> None:
@@ -64,7 +113,8 @@ def shared_prefix_attention(
     Args:
         query: ``[B, heads, T, head_dim]``.
         key, value: a :class:`SharedKV`, or plain ``[B, kv_heads, K, head_dim]`` tensors (SDPA path).
-        attention_mask: boolean ``[B, 1, T, P + S]`` (True = attend) or None (causal).
+        attention_mask: boolean ``[B, 1, T, P + S]`` (True = attend) or None (causal); not read for
+            packed rows, whose own part is causal per row by construction.
     """
     if not isinstance(key, SharedKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -77,10 +127,11 @@ def shared_prefix_attention(
     scale = head_dim**-0.5 if scaling is None else scaling
 
     kv_heads = key.own.shape[1]
-    own_mask = _own_mask(attention_mask, prefix_len, width, own_len, query.device)  # [B|1, 1, T, S]
-    grouped = query.reshape(batch, kv_heads, groups * width, head_dim)  # [B, kv, g*T, d]: a kv group's heads in a row
-    out, lse = _attend(grouped, key.own, value.own, own_mask.repeat(1, 1, groups, 1), scale)  # no per-head key copies
-    out, lse = out.view(query.shape), lse.reshape(batch, heads, width)  # [B, H, T, d], [B, H, T]
+    if key.packing is not None:
+        out, lse = _own_packed(query, key.own, value.own, key.packing, scale)  # [1, H, N, d], [1, H, N]
+    else:
+        own_mask = _own_mask(attention_mask, prefix_len, width, own_len, query.device)  # [B|1, 1, T, S]
+        out, lse = _own_grouped(query, key.own, value.own, own_mask, scale)  # [B, H, T, d], [B, H, T]
     if prefix_len:
         folded = query.view(batch, kv_heads, groups, width, head_dim).transpose(0, 1)  # [kv, B, g, T, d]
         folded = folded.reshape(1, kv_heads, batch * groups * width, head_dim)  # [1, kv, B*g*T, d]
@@ -89,6 +140,28 @@ def shared_prefix_attention(
         lse_p = lse_p.view(kv_heads, batch, groups, width).transpose(0, 1).reshape(batch, heads, width)
         out = _merge(out, lse, out_p, lse_p)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _own_grouped(query, keys, values, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row against its own keys ``[B, kv, S, d]`` under ``mask`` ``[B|1, 1, T, S]``; the heads of a kv
+    group are folded into one query sequence, so keys are never copied per head.
+    Returns ``([B, H, T, d], lse [B, H, T])``."""
+    batch, heads, width, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    grouped = query.reshape(batch, kv_heads, groups * width, head_dim)  # [B, kv, g*T, d]
+    out, lse = _attend(grouped, keys, values, mask.repeat(1, 1, groups, 1), scale)
+    return out.view(query.shape), lse.reshape(batch, heads, width)
+
+
+def _own_packed(query, keys, values, packing: Packing, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed rows ``[1, H, N, d]`` each against its own tokens ``[1, kv, N, d]``: unpacked to right-padded
+    rows, where a causal mask alone keeps every real query off the pads (they follow its row's last
+    token), then packed back. Returns ``([1, H, N, d], lse [1, H, N])``."""
+    width = packing.width
+    causal = torch.ones(width, width, dtype=torch.bool, device=query.device).tril()[None, None]  # [1, 1, T, T]
+    out, lse = _own_grouped(packing.unpack(query), packing.unpack(keys), packing.unpack(values), causal, scale)
+    return packing.pack(out), packing.pack(lse[..., None])[..., 0]
 
 
 def _own_mask(mask: torch.Tensor | None, prefix_len: int, width: int, own_len: int, device) -> torch.Tensor:

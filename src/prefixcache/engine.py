@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from .attention import use_shared_prefix_attention
+from .attention import Packing, use_shared_prefix_attention
 from .kv import ForkedCache, PrefixKV
 from .scoring import LabelHead
 
@@ -74,12 +74,34 @@ def forward_rows(
     return out.last_hidden_state
 
 
+def last_hidden_packed(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Run ``rows`` after ``prefix`` laid end to end as one sequence (no padding); return each row's
+    hidden state at its last token, ``[B, H]``.
+
+    Same contract as :func:`forward_rows` (rows never see each other, every row sees the whole
+    prefix), but the linear layers compute only real tokens: with rows of unequal length that is
+    the padding's share of the work saved. The fork is used for this one pass.
+    """
+    use_shared_prefix_attention(model)
+    device = prefix.keys[0].device
+    packing = Packing.of([len(r) for r in rows], device)
+    ids = torch.tensor([token for row in rows for token in row], dtype=torch.long, device=device)[None]  # [1, N]
+    positions = (prefix.length + packing.offsets)[None]  # [1, N]: each row counts on from the prefix
+    out = model.base_model(input_ids=ids, position_ids=positions, cache=prefix.fork(1, packing), use_cache=True)
+    return out.last_hidden_state[0, packing.last]  # [B, H]
+
+
 @torch.inference_mode()
 def score_rows(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]], head: LabelHead) -> torch.Tensor:
     """Score each row as the continuation of ``prefix``. Returns label-normalized log-probs ``[B, L]``.
 
+    First-token scoring of rows of unequal length runs them packed (:func:`last_hidden_packed`);
+    rows of one length (a single row, say) have no padding to save and run as they are, and scoring
+    whole labels runs them right-padded, since its second pass continues each row's own tokens.
     The prefix is only read. Each call uses its own fork, so concurrent calls are safe.
     """
+    if head.method == "first-token" and len({len(r) for r in rows}) > 1:
+        return head.first_token(last_hidden_packed(model, prefix, rows))
     device = prefix.keys[0].device
     ids, mask, lengths = pad_rows(rows, device)  # [B, S], [B, S], [B]
     batch = len(rows)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from .attention import SharedKV, use_shared_prefix_attention
+from .attention import Packing, SharedKV, use_shared_prefix_attention
 from .errors import PromptError
 
 
@@ -71,9 +71,15 @@ class PrefixKV:
         values = tuple(layer.values for layer in cache.layers)
         return cls(tuple(int(t) for t in token_ids), keys, values)
 
-    def fork(self, batch_size: int) -> ForkedCache:
-        """A fresh cache for ``batch_size`` rows that all continue this prefix. The prefix is shared, not copied."""
-        return ForkedCache([_ForkLayer(k, v, batch_size) for k, v in zip(self.keys, self.values)])
+    def fork(self, batch_size: int, packing: Packing | None = None) -> ForkedCache:
+        """A fresh cache for ``batch_size`` rows that all continue this prefix. The prefix is shared, not copied.
+
+        With ``packing`` the rows arrive laid end to end as one sequence (``batch_size`` 1), for a
+        single forward pass.
+        """
+        if packing is not None and batch_size != 1:
+            raise ValueError(f"packed rows are one sequence: fork(1, packing), not fork({batch_size}, packing)")
+        return ForkedCache([_ForkLayer(k, v, batch_size, packing) for k, v in zip(self.keys, self.values)])
 
     def checksum(self) -> float:
         """A cheap fingerprint of the stored tensors (used by tests to prove nothing mutated them)."""
@@ -188,17 +194,23 @@ class _ForkLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, batch_size: int):
+    def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, batch_size: int, packing: Packing | None = None):
         super().__init__()
         self.prefix_keys = prefix_keys  # [1, kv_heads, P, head_dim], never written
         self.prefix_values = prefix_values
         self.batch_size = batch_size
+        self.packing = packing
         self.device = prefix_keys.device
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states: [B, kv_heads, S_new, head_dim]
         if key_states.shape[0] != self.batch_size:
             raise ValueError(f"fork was made for batch {self.batch_size}, got {key_states.shape[0]} rows")
+        if self.packing is not None:
+            if self.is_initialized:
+                raise ValueError("a packed fork serves one forward pass; fork again for another")
+            self.keys, self.values, self.is_initialized = key_states, value_states, True
+            return SharedKV(self.prefix_keys, key_states, self.packing), SharedKV(self.prefix_values, value_states, self.packing)
         if self.is_initialized:
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
