@@ -129,7 +129,7 @@ def test_concurrent_requests_are_merged_and_equal_sequential_results(loaded, tas
     requests = [records[i : i + 1 + i % 3] for i in range(0, len(records), 3)][:16]  # 1 to 3 items each
     requests += [[r] for r in records[:16]]  # the same items again, in other batches
 
-    with serving(loaded, [task], max_batch=8, max_wait_ms=200) as server:
+    with serving(loaded, [task], max_batch=8, max_wait_ms=200, arrival_gap_ms=200) as server:
         runner = server.app.state.service.runner(TASK, "classify")
         before = runner.classifier.prefix.checksum()
         answers = post_concurrently(server, "/v1/classify", TASK, requests)
@@ -244,7 +244,7 @@ def test_bad_items_422_name_the_item(loaded, task):
 
 def test_full_queue_429_with_retry_after(loaded, task):
     """A request that does not fit in the bounded queue is refused whole, with Retry-After."""
-    with serving(loaded, [task], max_queue=4, max_items=4, max_batch=64, max_wait_ms=1500) as server:
+    with serving(loaded, [task], max_queue=4, max_items=4, max_batch=64, max_wait_ms=1500, arrival_gap_ms=1500) as server:
         first: list = []
         waiting = threading.Thread(target=lambda: first.append(call(server, "POST", "/v1/classify", {"task": TASK, "items": ["a", "b", "c"]})))
         waiting.start()
@@ -400,7 +400,7 @@ def test_cli_serve_defaults_match_server_settings():
     command = typer.main.get_command(app).commands["serve"]
     defaults = {p.name: p.default for p in command.params}
     settings = ServerSettings()
-    for name in ("host", "port", "max_batch", "max_wait_ms", "max_queue", "max_items", "max_item_tokens",
+    for name in ("host", "port", "max_batch", "max_wait_ms", "arrival_gap_ms", "max_queue", "max_items", "max_item_tokens",
                  "max_body_bytes", "max_prefix_tokens"):
         assert defaults[name] == getattr(settings, name), f"--{name.replace('_', '-')} default differs from ServerSettings"
 

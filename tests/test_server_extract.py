@@ -63,7 +63,7 @@ def test_extract_equals_the_engine_and_concurrent_requests_are_merged(loaded, ex
     reference = {r["id"]: r for r in engine_results(loaded, extract_task, records)}
     requests = [records[i : i + 1 + i % 2] for i in range(0, len(records), 2)]  # 1 or 2 items each
 
-    with serving(loaded, [extract_task], max_batch=8, max_wait_ms=300) as server:
+    with serving(loaded, [extract_task], max_batch=8, max_wait_ms=300, arrival_gap_ms=300) as server:
         answers = post_concurrently(server, "/v1/extract", EXTRACT, requests)
         samples = metric_samples(server)
 

@@ -436,7 +436,10 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on (loopback by default)."),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="Port (0 picks a free one)."),
     max_batch: int = typer.Option(32, "--max-batch", min=1, help="Most items merged into one forward pass."),
-    max_wait_ms: float = typer.Option(5.0, "--max-wait-ms", min=0, help="Longest an item waits for companions."),
+    max_wait_ms: float = typer.Option(50.0, "--max-wait-ms", min=0, help="Longest an item waits for companions."),
+    arrival_gap_ms: float = typer.Option(
+        20.0, "--arrival-gap-ms", min=0, help="A pass that is not full starts once no item has arrived for this long."
+    ),
     max_queue: int = typer.Option(1024, "--max-queue", min=1, help="Most items in progress at once (all requests); more gets 429."),
     max_items: int = typer.Option(256, "--max-items", min=1, help="Most items per request (422 above)."),
     max_item_tokens: int = typer.Option(512, "--max-item-tokens", min=1, help="Most tokens per item (422 above)."),
@@ -454,7 +457,8 @@ def serve(
     from .server import ServerSettings, run_server
 
     settings = ServerSettings.from_env(
-        host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue, max_items=max_items,
+        host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms, arrival_gap_ms=arrival_gap_ms,
+        max_queue=max_queue, max_items=max_items,
         max_item_tokens=max_item_tokens, max_body_bytes=max_body_bytes, max_prefix_tokens=max_prefix_tokens,
         method=_choice(method, METHODS, "--method"),
         cache_budget_bytes=parse_bytes(cache_budget) if cache_budget else None,

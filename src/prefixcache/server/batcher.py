@@ -4,9 +4,11 @@ Requests put their prepared items into a per-runner queue and await a future.
 One loop per model (an asyncio task) repeatedly:
 
 1. picks the runner whose oldest item has waited longest;
-2. waits until ``max_batch`` items are queued for it or ``max_wait_ms`` have
+2. waits until ``max_batch`` items are queued for it, or ``max_wait_ms`` have
    passed since that oldest item could first be served (its arrival, or the end
-   of the previous pass if it arrived during one), whichever comes first;
+   of the previous pass if it arrived during one), or no item has arrived for
+   ``arrival_gap_ms`` (counting from the newest arrival or the end of the
+   previous pass), whichever comes first;
 3. takes up to ``max_batch`` items, which may come from many requests (and a
    large request may be split over several passes);
 4. runs them on the model thread (``runner.run``), the one thread that touches
@@ -15,10 +17,11 @@ One loop per model (an asyncio task) repeatedly:
    future resolves when its last item is done, with results in its own order.
 
 While a pass runs, new items keep queueing, so under load the next pass is
-full: batching grows with load. Counting the wait from the end of the previous
-pass matters for closed-loop clients: the requests answered by a pass come back
-a few milliseconds after it ends, and without that short window every pass
-would take only the half of the clients that queued during the previous one.
+full: batching grows with load. The arrival gap matters for closed-loop
+clients: the requests answered by a pass come back one after another in the
+milliseconds after it ends, and a pass that waits while they keep arriving
+takes them all, where a fixed short wait would split the clients into two
+cohorts of half-size passes. A lone request waits only the gap.
 
 Invariant 2 under concurrency: every pass forks the read-only prefix (see
 ``kv.PrefixKV.fork``), and passes run one at a time on the model thread.
@@ -76,6 +79,9 @@ class _Queue:
     def head_time(self) -> float:
         return self.slots[0][0].enqueued_at
 
+    def newest_time(self) -> float:
+        return self.slots[-1][0].enqueued_at
+
     def take(self, limit: int) -> tuple[list[tuple[_Job, int]], int]:
         """Up to ``limit`` live slots, and how many slots left the queue (cancelled ones are dropped)."""
         taken, removed = [], 0
@@ -100,6 +106,7 @@ class MicroBatcher:
         self._executor = model_executor
         self._max_batch = settings.max_batch
         self._max_wait = settings.max_wait_s
+        self._arrival_gap = settings.arrival_gap_s
         self._max_queue = settings.max_queue
         self._metrics = metrics
         self._queues: dict[TaskRunner, _Queue] = {}
@@ -200,12 +207,13 @@ class MicroBatcher:
         return min(self._queues.values(), key=_Queue.head_time)
 
     async def _fill(self, queue: _Queue) -> None:
-        """Wait until ``queue`` holds a full batch or its head item's wait (counted from when the
-        model could first take it) is over."""
+        """Wait until ``queue`` holds a full batch, its head item's wait (counted from when the
+        model could first take it) is over, or items have stopped arriving for the arrival gap."""
         loop = asyncio.get_running_loop()
         deadline = max(queue.head_time(), self._free_since) + self._max_wait
         while len(queue.slots) < self._max_batch:
-            timeout = deadline - loop.time()
+            quiet = max(queue.newest_time(), self._free_since) + self._arrival_gap
+            timeout = min(deadline, quiet) - loop.time()
             if timeout <= 0:
                 return
             self._wake.clear()

@@ -24,7 +24,10 @@ class ServerSettings:
     Attributes:
         host, port: where ``serve`` listens (loopback by default; port 0 picks a free one).
         max_batch: most items merged into one forward pass.
-        max_wait_ms: how long the oldest queued item may wait for companions before its pass starts.
+        max_wait_ms: the longest the oldest queued item may wait for companions before its pass starts.
+        arrival_gap_ms: a pass that is not full starts sooner, once no item has arrived for this long:
+            a burst of requests (clients answered by the last pass coming back) is gathered whole,
+            and a lone request is not held for ``max_wait_ms``.
         max_queue: most items in progress (being tokenized, queued or in a pass; all tasks together); more gets 429.
         max_items: most items in one request (422 above it).
         max_item_tokens: most tokens of one item's own part of the prompt (422 naming the item).
@@ -41,7 +44,8 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch: int = 32
-    max_wait_ms: float = 5.0
+    max_wait_ms: float = 50.0
+    arrival_gap_ms: float = 20.0
     max_queue: int = 1024
     max_items: int = 256
     max_item_tokens: int = 512
@@ -56,8 +60,9 @@ class ServerSettings:
                      "cache_budget_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1, not {getattr(self, name)}")
-        if self.max_wait_ms < 0:
-            raise SettingsError(f"max_wait_ms must be 0 or more, not {self.max_wait_ms}")
+        for name in ("max_wait_ms", "arrival_gap_ms"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"{name} must be 0 or more, not {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise SettingsError(f"port must be between 0 and 65535, not {self.port}")
         if self.max_items > self.max_queue:
@@ -70,6 +75,10 @@ class ServerSettings:
     @property
     def max_wait_s(self) -> float:
         return self.max_wait_ms / 1000.0
+
+    @property
+    def arrival_gap_s(self) -> float:
+        return self.arrival_gap_ms / 1000.0
 
     @classmethod
     def from_env(cls, **overrides) -> ServerSettings:
