@@ -3,8 +3,9 @@
 Threads (per model):
 
 * the *model* thread runs every forward pass and every prefix build, one at a time;
-* the *prep* thread tokenizes request items with its own copy of the tokenizer
-  (so tokenization overlaps the model's work and no tokenizer is shared by two threads).
+* the *prep* threads (:data:`PREP_THREADS`) tokenize request items, each call with a
+  tokenizer copy it holds alone (so tokenization overlaps the model's work, a burst of
+  requests is tokenized in parallel, and no tokenizer is used by two threads at once).
 
 The event loop only routes: it never tokenizes and never runs the model.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
@@ -53,6 +55,9 @@ class Usage:
     suffix_tokens: int
 
 
+PREP_THREADS = 2  # tokenizing the returning clients of a pass in parallel shortens the model's idle gap
+
+
 class Service:
     """Tasks served on one model. Call every coroutine from the event loop's thread.
 
@@ -65,8 +70,10 @@ class Service:
         self.settings = settings
         self.metrics = metrics
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="prefixcache-model")
-        self._prep_thread = ThreadPoolExecutor(1, thread_name_prefix="prefixcache-prep")
-        self._prep_tokenizer = copy.deepcopy(loaded.tokenizer)  # used by the prep thread only
+        self._prep_threads = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="prefixcache-prep")
+        self._prep_tokenizers: queue.SimpleQueue = queue.SimpleQueue()  # one copy per prep thread, lent per call
+        for _ in range(PREP_THREADS):
+            self._prep_tokenizers.put(copy.deepcopy(loaded.tokenizer))
         self.batcher = MicroBatcher(self._model_thread, settings, metrics)
         self.pool = PrefixPool(PoolConfig(budget_bytes=settings.cache_budget_bytes))  # used on the model thread only
         metrics.watch_pool(self.pool)
@@ -79,7 +86,7 @@ class Service:
 
     async def stop(self) -> None:
         await self.batcher.stop()
-        self._prep_thread.shutdown(wait=True)
+        self._prep_threads.shutdown(wait=True)
         self._model_thread.shutdown(wait=True)
 
     # --- tasks -------------------------------------------------------------------------------------
@@ -168,12 +175,19 @@ class Service:
             )
         loop = asyncio.get_running_loop()
         with self.batcher.admit(len(records)):
-            prepared = await loop.run_in_executor(
-                self._prep_thread, runner.prepare, self._prep_tokenizer, records, self.settings.max_item_tokens
-            )
+            prepared = await loop.run_in_executor(self._prep_threads, self._prepare, runner, records)
             results = await self.batcher.submit(runner, prepared)
         usage = Usage(reused_prefix_tokens(runner, prepared), sum(len(item.rows) for item in prepared))
         return results, usage
+
+
+    def _prepare(self, runner: TaskRunner, records: Sequence[Record]):
+        """On a prep thread: ``runner.prepare`` with a tokenizer copy no other thread holds meanwhile."""
+        tokenizer = self._prep_tokenizers.get()  # never waits: there are as many copies as prep threads
+        try:
+            return runner.prepare(tokenizer, records, self.settings.max_item_tokens)
+        finally:
+            self._prep_tokenizers.put(tokenizer)
 
 
 def _article(kind: str) -> str:
