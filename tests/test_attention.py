@@ -11,20 +11,30 @@ from prefixcache.attention import _attend_cpu_flash, _attend_eager
 from prefixcache.engine import empty_prefix, forward_rows, last_hidden_packed, pad_rows
 from prefixcache.kv import PrefixKV
 
+def random_rows(test):
+    """Run ``test`` on random prefix lengths (0-24 tokens), 1-5 rows of 1-9 tokens, and a seed."""
+    cases = given(
+        prefix_len=st.integers(0, 24),
+        lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5),
+        seed=st.integers(0, 2**31),
+    )
+    return settings(max_examples=20, deadline=None)(cases(test))
 
-@settings(max_examples=20, deadline=None)
-@given(
-    prefix_len=st.integers(0, 24),
-    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5),
-    seed=st.integers(0, 2**31),
-)
-def test_fork_hidden_states_equal_plain_forward(tiny, prefix_len, lengths, seed):
-    model = tiny.model
+
+def random_case(model, prefix_len: int, lengths: list[int], seed: int):
+    """(prefix ids, rows, the prefix's cache) of random tokens; an empty prefix when ``prefix_len`` is 0."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     prefix_ids = torch.randint(3, vocab, (prefix_len,), generator=gen).tolist()
     rows = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
     prefix = PrefixKV.build(model, prefix_ids) if prefix_ids else empty_prefix(model)
+    return prefix_ids, rows, prefix
+
+
+@random_rows
+def test_fork_hidden_states_equal_plain_forward(tiny, prefix_len, lengths, seed):
+    model = tiny.model
+    prefix_ids, rows, prefix = random_case(model, prefix_len, lengths, seed)
     ids, mask, _ = pad_rows(rows, torch.device("cpu"))  # [B, S]
     batch = len(rows)
     with torch.inference_mode():
@@ -42,21 +52,12 @@ def test_fork_hidden_states_equal_plain_forward(tiny, prefix_len, lengths, seed)
             torch.testing.assert_close(hidden[i, : len(row)], ref, atol=1e-4, rtol=1e-4)
 
 
-@settings(max_examples=20, deadline=None)
-@given(
-    prefix_len=st.integers(0, 24),
-    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5),
-    seed=st.integers(0, 2**31),
-)
+@random_rows
 def test_packed_rows_give_each_rows_plain_forward(tiny, prefix_len, lengths, seed):
     """Rows laid end to end (no padding) still never see each other: each row's last hidden state is
     transformers' own forward over prefix + that row alone."""
     model = tiny.model
-    gen = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    prefix_ids = torch.randint(3, vocab, (prefix_len,), generator=gen).tolist()
-    rows = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
-    prefix = PrefixKV.build(model, prefix_ids) if prefix_ids else empty_prefix(model)
+    prefix_ids, rows, prefix = random_case(model, prefix_len, lengths, seed)
     before = prefix.checksum()
     with torch.inference_mode():
         last = last_hidden_packed(model, prefix, rows)  # [B, H]
