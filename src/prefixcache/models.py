@@ -30,6 +30,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from .allocator import keep_freed_memory
 from .errors import ModelNotFoundError
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,11 @@ def resolve_device(name: str | None = None) -> torch.device:
 
 
 def set_threads(threads: int | None) -> int:
-    """Set torch's intra-op threads (default: every core this process may use). Returns the count."""
+    """Set torch's intra-op threads (default: every core this process may use). Returns the count.
+
+    Also tunes the process's allocator to keep freed tensor memory (:mod:`prefixcache.allocator`).
+    """
+    keep_freed_memory()
     if threads is None:
         threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(max(1, threads))
