@@ -74,6 +74,7 @@ def forward_rows(
     return out.last_hidden_state
 
 
+@torch.inference_mode()
 def last_hidden_packed(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]]) -> torch.Tensor:
     """Run ``rows`` after ``prefix`` laid end to end as one sequence (no padding); return each row's
     hidden state at its last token, ``[B, H]``.
