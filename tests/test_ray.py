@@ -18,7 +18,7 @@ import os
 import pytest
 
 from prefixcache import data
-from prefixcache.errors import InputError, ModelNotFoundError
+from prefixcache.errors import InputError, ModelNotFoundError, ResourceError
 from prefixcache.models import load_model
 from prefixcache.runner import Classifier, Prediction, Record, RunConfig
 from prefixcache.task import load_task
@@ -32,7 +32,7 @@ else:
     pytest.importorskip("ray.data", reason="Ray is not installed: pip install 'prefixcache[ray]'")
 
 from prefixcache.dist.inputs import input_format  # noqa: E402
-from prefixcache.dist.ray import FAIL_ONCE_ENV, cpus_per_worker, run_ray_classify  # noqa: E402
+from prefixcache.dist.ray import FAIL_ONCE_ENV, check_gpus, cpus_per_worker, run_ray_classify  # noqa: E402
 from prefixcache.dist.rows import ROW, Finisher, prediction_line, record_of  # noqa: E402
 from prefixcache.dist.sink import PartWriter  # noqa: E402
 from prefixcache.dist.summary import RaySummary, Tally  # noqa: E402
@@ -124,6 +124,14 @@ def test_one_cpu_stays_free_for_ray_datas_own_tasks():
     assert cpus_per_worker(threads=1, workers=2, cluster_cpus=2) == 0.5  # reads and listings still get a CPU
     assert cpus_per_worker(threads=4, workers=8, cluster_cpus=64) == 4.0  # room enough: as asked
     assert cpus_per_worker(threads=2, workers=1, cluster_cpus=0) == 2.0  # no CPU figure (a GPU-only view)
+
+
+def test_gpus_a_local_ray_lacks_are_refused_at_once():
+    check_gpus(0, workers=4, cluster_gpus=0, local=True)  # no GPUs asked: fine
+    check_gpus(0.5, workers=2, cluster_gpus=1, local=True)  # two workers share one GPU
+    check_gpus(1, workers=8, cluster_gpus=0, local=False)  # a remote cluster may autoscale: Ray waits
+    with pytest.raises(ResourceError, match=r"--num-gpus 1 for 2 worker\(s\) needs 2 GPU\(s\).*has 1"):
+        check_gpus(1, workers=2, cluster_gpus=1, local=True)
 
 
 def test_summary_counts_rows_per_worker():
@@ -246,6 +254,17 @@ def test_a_worker_that_dies_is_retried_and_no_row_is_lost_or_doubled(
     assert [line["id"] for line in lines] == list(range(120)), "a row was lost, doubled or reordered"
     _assert_same_lines(lines, _local_lines(local_classifier, source, "body", None))
     assert summary.records == 120 and summary.errors == 0
+
+
+def test_a_local_run_asking_for_gpus_it_lacks_fails_before_starting_workers(local_ray, model_dir, task_file, tmp_path):
+    """Without the check, the workers would wait for GPUs until --start-timeout (900 s by default).
+    (64 GPUs: more than any machine this runs on has.)"""
+    source = tmp_path / "tickets.jsonl"
+    source.write_text('{"text": "refund"}\n')
+    with pytest.raises(ResourceError, match="GPU"):
+        run_ray_classify(str(source), tmp_path / "out", task_file, model_dir, workers=1, num_gpus=64,
+                         log=lambda line: None, progress=False)
+    assert not list((tmp_path / "out").glob("part-*.jsonl"))
 
 
 def test_an_error_on_a_worker_reaches_the_caller_as_itself(local_ray, task_file, tmp_path):

@@ -42,3 +42,7 @@ class PoolBudgetError(PrefixCacheError):
 
 class CacheStoreError(PrefixCacheError):
     """The on-disk prefix store cannot be used (for example its folder is a file or not writable)."""
+
+
+class ResourceError(PrefixCacheError):
+    """The machine or cluster lacks what a run asks for (GPUs for the workers, say)."""

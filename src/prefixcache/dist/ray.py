@@ -45,7 +45,7 @@ import pyarrow as pa
 import ray
 import ray.data
 
-from ..errors import InputError, PrefixCacheError
+from ..errors import InputError, PrefixCacheError, ResourceError
 from ..models import DEFAULT_MODEL, load_model, local_source
 from ..runner import Classifier, RunConfig
 from ..task import Task, load_task
@@ -242,6 +242,23 @@ def cpus_per_worker(threads: int, workers: int, cluster_cpus: float) -> float:
     return min(float(threads), max(0.0, cluster_cpus - 1) / workers)
 
 
+def check_gpus(num_gpus: float, workers: int, cluster_gpus: float, local: bool) -> None:
+    """Refuse at once a local run whose workers ask for more GPUs than the machine has.
+
+    A local Ray cannot grow, so such workers would never start and the run would only end at
+    ``--start-timeout``. A remote cluster may autoscale, so there the wait is left to Ray.
+
+    Raises:
+        ResourceError: naming what was asked for and what there is.
+    """
+    wanted = num_gpus * workers
+    if local and num_gpus > 0 and wanted > cluster_gpus:
+        raise ResourceError(
+            f"--num-gpus {num_gpus:g} for {workers} worker(s) needs {wanted:g} GPU(s), and this machine's Ray has "
+            f"{cluster_gpus:g}; drop --num-gpus, lower it or --workers, or give --ray-address of a cluster with GPUs"
+        )
+
+
 def read_input(source: str, fmt: str, text_columns: tuple[str, ...] = ()) -> ray.data.Dataset:
     """A Ray Dataset of the input rows (lazy). CSV columns in ``text_columns`` stay text, as a local read leaves them.
 
@@ -317,6 +334,7 @@ def run_ray_classify(
     try:
         with ray_session(ray_address, log), data_context(start_timeout_s, block_bytes(source, workers)):
             started = time.perf_counter()
+            check_gpus(num_gpus, workers, ray.cluster_resources().get("GPU", 0), local=ray_address is None)
             num_cpus = cpus_per_worker(spec.threads, workers, ray.cluster_resources().get("CPU", 0))
             if num_cpus < spec.threads:
                 log(f"ray: reserving {num_cpus:g} CPU per worker (each still runs {spec.threads} thread(s)) "
