@@ -131,10 +131,10 @@ def test_concurrent_requests_are_merged_and_equal_sequential_results(loaded, tas
 
     with serving(loaded, [task], max_batch=8, max_wait_ms=200, arrival_gap_ms=200) as server:
         runner = server.app.state.service.runner(TASK, "classify")
-        before = runner.classifier.prefix.checksum()
+        before = runner.bound.prefix.checksum()
         answers = post_concurrently(server, "/v1/classify", TASK, requests)
         samples = metric_samples(server)
-        after = runner.classifier.prefix.checksum()
+        after = runner.bound.prefix.checksum()
 
     by_id = {p.id: p for p in reference}
     for n, (status, _, body) in enumerate(answers):

@@ -52,6 +52,7 @@ class Packing:
     slots: torch.Tensor  # [N]: each packed token's place in the right-padded [B * T] layout
     offsets: torch.Tensor  # [N]: each packed token's position within its row
     last: torch.Tensor  # [B]: each row's last token in the packed sequence
+    causal: torch.Tensor  # [1, 1, T, T]: the own-token mask of every unpacked row (pads follow real tokens)
 
     @classmethod
     def of(cls, lengths: Sequence[int], device) -> Packing:
@@ -61,7 +62,8 @@ class Packing:
         offsets = torch.cat([torch.arange(n, device=device) for n in lengths])  # [N]
         row = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
         ends = torch.tensor(lengths, device=device).cumsum(0) - 1
-        return cls(tuple(lengths), row * width + offsets, offsets, ends)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None, None]
+        return cls(tuple(lengths), row * width + offsets, offsets, ends, causal)
 
     @property
     def width(self) -> int:
@@ -158,9 +160,7 @@ def _own_packed(query, keys, values, packing: Packing, scale) -> tuple[torch.Ten
     """Packed rows ``[1, H, N, d]`` each against its own tokens ``[1, kv, N, d]``: unpacked to right-padded
     rows, where a causal mask alone keeps every real query off the pads (they follow its row's last
     token), then packed back. Returns ``([1, H, N, d], lse [1, H, N])``."""
-    width = packing.width
-    causal = torch.ones(width, width, dtype=torch.bool, device=query.device).tril()[None, None]  # [1, 1, T, T]
-    out, lse = _own_grouped(packing.unpack(query), packing.unpack(keys), packing.unpack(values), causal, scale)
+    out, lse = _own_grouped(packing.unpack(query), packing.unpack(keys), packing.unpack(values), packing.causal, scale)
     return packing.pack(out), packing.pack(lse[..., None])[..., 0]
 
 

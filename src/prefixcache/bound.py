@@ -49,7 +49,10 @@ class WorkItem:
 
 
 class BoundTask:
-    """Subclasses set ``self.prompt`` (with ``prefix_ids``) before calling ``__init__`` here, and define ``_window``."""
+    """Subclasses set ``self.prompt`` (with ``prefix_ids``) before calling ``__init__`` here, set
+    ``stats_type``, and define the methods at the end of this class."""
+
+    stats_type: type[WindowStats] = WindowStats  # the counters a run of this task kind keeps
 
     def __init__(self, loaded: LoadedModel, task, pool: PrefixPool | None = None):
         self.loaded = loaded
@@ -59,11 +62,6 @@ class BoundTask:
         self.prefix_seconds = 0.0
         self._prefix: PrefixKV | None = None
         self._empty = empty_prefix(loaded.model)
-
-    @property
-    def reencode_prefix(self) -> PrefixKV:
-        """The zero-length prefix: rows run after it are whole prompts, re-encoded in full."""
-        return self._empty
 
     @property
     def prefix(self) -> PrefixKV:
@@ -171,12 +169,8 @@ class BoundTask:
         items = [replace(item, index=position) for position, item in enumerate(items)]
         needs_prefix = any(it.error is None and not it.full for it in items)
         stored = self.prefix if needs_prefix else self._empty
-        results = self._execute(items, max(1, len(items)), stored, self.new_stats(), "batched")
+        results = self._execute(items, max(1, len(items)), stored, self.stats_type(), "batched")
         return [results[item.index] for item in items]
-
-    def new_stats(self):
-        """A fresh counters object of this task kind's type."""
-        raise NotImplementedError
 
     def _route(self, index: int, record, enc, config) -> WorkItem:
         """A tokenized record as an item: after the stored prefix, or in full (``full`` mode, or a

@@ -9,7 +9,7 @@ of records:
 1. ``prepare``: render and tokenize each record, checking the prefix boundary;
 2. ``_plan``: cut the window into batches (length-sorted in ``batched`` mode);
 3. ``_run``: one :func:`~prefixcache.generate.generate_rows` call per batch;
-4. ``_emit``: parse each output as JSON and yield Extractions in input order.
+4. ``_result``: parse each output as JSON; Extractions are yielded in input order.
 
 Modes are the runner's (:data:`~prefixcache.runner.MODES`): ``full`` generates
 from the whole prompt (the uncached baseline), ``cached`` one record at a time
@@ -180,6 +180,8 @@ class Extractor(BoundTask):
         PromptError: the task cannot be rendered for this tokenizer.
     """
 
+    stats_type = ExtractStats
+
     def __init__(
         self, loaded: LoadedModel, task: ExtractTask, pool: PrefixPool | None = None, max_new_tokens: int | None = None
     ):
@@ -197,13 +199,10 @@ class Extractor(BoundTask):
         stats: ExtractStats | None = None,
     ) -> Iterator[Extraction]:
         """Yield one Extraction per record, in input order."""
-        yield from self._stream(records, config, progress, stats if stats is not None else ExtractStats())
+        yield from self._stream(records, config, progress, stats if stats is not None else self.stats_type())
 
     def extract_all(self, records: Iterable[Record], config: RunConfig = RunConfig(), **kw) -> list[Extraction]:
         return list(self.extract(records, config, **kw))
-
-    def new_stats(self) -> ExtractStats:
-        return ExtractStats()
 
     def _run(self, prefix: PrefixKV, batch: list[WorkItem], stats: ExtractStats) -> list[Generation]:
         rows = [it.rows for it in batch]

@@ -5,7 +5,7 @@ The loop reads as four stages per window of records:
 1. ``prepare``: render and tokenize each record, fit it to the context, check the prefix boundary;
 2. ``_plan``: cut the window into batches (length-sorted in ``batched`` mode);
 3. ``_run``: one :func:`~prefixcache.engine.score_rows` call per batch;
-4. ``_emit``: restore input order and yield Predictions.
+4. ``_result``: a Prediction per record, yielded in input order.
 
 Modes (:data:`MODES`): ``full`` re-encodes every whole prompt (the baseline),
 ``cached`` feeds one record per pass over the stored prefix (the published
@@ -130,6 +130,8 @@ class Classifier(BoundTask):
     so the pool's budget and evictions govern its memory; the task's ``pin`` is honoured.
     """
 
+    stats_type = RunStats
+
     def __init__(self, loaded: LoadedModel, task: Task, method: str = "auto", pool: PrefixPool | None = None):
         self.prompt: Prompt = build_prompt(task, loaded.tokenizer)
         super().__init__(loaded, task, pool)
@@ -146,13 +148,10 @@ class Classifier(BoundTask):
         stats: RunStats | None = None,
     ) -> Iterator[Prediction]:
         """Yield one Prediction per record, in input order."""
-        yield from self._stream(records, config, progress, stats if stats is not None else RunStats())
+        yield from self._stream(records, config, progress, stats if stats is not None else self.stats_type())
 
     def classify_all(self, records: Iterable[Record], config: RunConfig = RunConfig(), **kw) -> list[Prediction]:
         return list(self.classify(records, config, **kw))
-
-    def new_stats(self) -> RunStats:
-        return RunStats()
 
     def _route(self, index: int, record: Record, enc: Encoded, config: RunConfig) -> WorkItem:
         """One tokenized record as an item: fitted to the context (or failed), fed after the prefix or in full."""

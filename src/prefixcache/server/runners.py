@@ -54,12 +54,9 @@ class TaskRunner(Protocol):
     task: Task | ExtractTask
     prefix_key: PrefixKey
     """The prefix's identity in the pool (what a DELETE unpins)."""
-
-    @property
-    def prefix_tokens(self) -> int: ...
-
-    @property
-    def prefix_bytes(self) -> int: ...
+    prefix_tokens: int
+    prefix_bytes: int
+    """The stored prefix's length and size, as when it was first built (the pool may evict it since)."""
 
     def describe(self) -> dict: ...
 
@@ -72,24 +69,10 @@ class TaskRunner(Protocol):
         ...
 
 
-class _PrefixFigures:
-    """``prefix_tokens`` / ``prefix_bytes`` of a runner's stored prefix, remembered when it was first built."""
-
-    def _remember(self, prefix) -> None:
-        self._length = prefix.length
-        self._nbytes = prefix.nbytes
-
-    @property
-    def prefix_tokens(self) -> int:
-        return self._length
-
-    @property
-    def prefix_bytes(self) -> int:
-        return self._nbytes
-
-
-class ClassifyRunner(_PrefixFigures):
-    """A classification task on a model: the task's prefix is built (or found in the pool) on construction.
+class _BoundRunner:
+    """What both runner kinds share: a :class:`~prefixcache.bound.BoundTask` (a Classifier or an
+    Extractor) whose prefix is built (or found in the pool) on construction, and the two halves,
+    ``prepare`` and ``run``, that go through it.
 
     Construct it on the model thread: building the prefix runs the model.
     ``prefix_limit`` (uploads only) is checked before the prefix is built.
@@ -100,18 +83,35 @@ class ClassifyRunner(_PrefixFigures):
         PoolBudgetError: the prefix cannot fit in the pool's budget.
     """
 
+    kind: ClassVar[str]
+
+    def __init__(self, loaded: LoadedModel, task: Task | ExtractTask, bound: BoundTask, prefix_limit: int | None):
+        self.task = task
+        self.bound = bound
+        _check_prefix_limit(task.name, len(bound.prompt.prefix_ids), prefix_limit)
+        prefix = bound.prefix  # built (or found in the pool) here; a pool lookup again per pass
+        self.prefix_tokens, self.prefix_bytes = prefix.length, prefix.nbytes  # remembered: the pool may evict it
+        self.prefix_key = PrefixKey.of(loaded, bound.prompt.prefix_ids)
+
+    def prepare(self, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[WorkItem]:
+        return prepare_items(self.bound, tokenizer, records, max_item_tokens)
+
+    def run(self, batch: Sequence[WorkItem]) -> list[dict]:
+        """One pass over the stored prefix (plus one over the empty prefix for boundary fallbacks)."""
+        return [result.to_json() for result in self.bound.run_prepared(batch)]
+
+
+class ClassifyRunner(_BoundRunner):
+    """A classification task on a model, over :class:`~prefixcache.runner.Classifier`: a pass is one
+    :func:`~prefixcache.engine.score_rows` call."""
+
     kind: ClassVar[str] = "classify"
 
     def __init__(
         self, loaded: LoadedModel, task: Task, settings: ServerSettings, prefix_limit: int | None = None,
         pool: PrefixPool | None = None,
     ):
-        self.task = task
-        self.classifier = Classifier(loaded, task, settings.method, pool=pool)
-        _check_prefix_limit(task.name, len(self.classifier.prompt.prefix_ids), prefix_limit)
-        prefix = self.classifier.prefix  # built (or found in the pool) here; a pool lookup again per pass
-        self._remember(prefix)
-        self.prefix_key = PrefixKey.of(loaded, self.classifier.prompt.prefix_ids)
+        super().__init__(loaded, task, Classifier(loaded, task, settings.method, pool=pool), prefix_limit)
 
     def describe(self) -> dict:
         return {
@@ -119,28 +119,15 @@ class ClassifyRunner(_PrefixFigures):
             "kind": self.kind,
             "labels": list(self.task.labels),
             "input_fields": self.task.fields,
-            "method": self.classifier.method,
+            "method": self.bound.method,
             "prefix_tokens": self.prefix_tokens,
             "prefix_bytes": self.prefix_bytes,
         }
 
-    def prepare(self, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[WorkItem]:
-        return prepare_items(self.classifier, tokenizer, records, max_item_tokens)
 
-    def run(self, batch: Sequence[WorkItem]) -> list[dict]:
-        """One pass over the stored prefix (plus one over the empty prefix for boundary fallbacks)."""
-        return [prediction.to_json() for prediction in self.classifier.run_prepared(batch)]
-
-
-class ExtractRunner(_PrefixFigures):
-    """An extraction task (``kind: extract``) on a model, over :class:`~prefixcache.extract.Extractor`.
-
-    A pass is one :func:`~prefixcache.generate.generate_rows` call over the stored prefix
-    (plus one over the empty prefix for boundary fallbacks), and every result is exactly
-    what the extraction engine returns for that record.
-
-    Raises (on construction): as :class:`ClassifyRunner`.
-    """
+class ExtractRunner(_BoundRunner):
+    """An extraction task (``kind: extract``) on a model, over :class:`~prefixcache.extract.Extractor`:
+    a pass is one :func:`~prefixcache.generate.generate_rows` call (greedy, the whole batch at once)."""
 
     kind: ClassVar[str] = "extract"
 
@@ -148,12 +135,7 @@ class ExtractRunner(_PrefixFigures):
         self, loaded: LoadedModel, task: ExtractTask, settings: ServerSettings, prefix_limit: int | None = None,
         pool: PrefixPool | None = None,
     ):
-        self.task = task
-        self.extractor = Extractor(loaded, task, pool=pool)
-        _check_prefix_limit(task.name, len(self.extractor.prompt.prefix_ids), prefix_limit)
-        prefix = self.extractor.prefix  # built (or found in the pool) here; a pool lookup again per pass
-        self._remember(prefix)
-        self.prefix_key = PrefixKey.of(loaded, self.extractor.prompt.prefix_ids)
+        super().__init__(loaded, task, Extractor(loaded, task, pool=pool), prefix_limit)
 
     def describe(self) -> dict:
         return {
@@ -163,17 +145,10 @@ class ExtractRunner(_PrefixFigures):
             "fields": list(self.task.fields),
             "input_fields": self.task.input_fields,
             "method": None,
-            "max_new_tokens": self.extractor.generation.max_new_tokens,
+            "max_new_tokens": self.bound.generation.max_new_tokens,
             "prefix_tokens": self.prefix_tokens,
             "prefix_bytes": self.prefix_bytes,
         }
-
-    def prepare(self, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[WorkItem]:
-        return prepare_items(self.extractor, tokenizer, records, max_item_tokens)
-
-    def run(self, batch: Sequence[WorkItem]) -> list[dict]:
-        """Greedy generation for the whole batch at once; results in the batch's order."""
-        return [extraction.to_json() for extraction in self.extractor.run_prepared(batch)]
 
 
 def prepare_items(bound: BoundTask, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[WorkItem]:
