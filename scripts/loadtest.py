@@ -182,7 +182,7 @@ def sequential_reference(args, requests) -> tuple[dict[str, object], Ceiling]:
         classifier.classify_all(records, RunConfig("batched", args.max_batch))
         batched_ms = min(batched_ms, 1000 * (time.perf_counter() - started) / len(records))
     dtype = str(loaded.dtype).removeprefix("torch.")
-    peak = matmul_peak_gflops(loaded.dtype)
+    peak = matmul_peak_gflops(loaded.dtype, loaded.device)
     config = loaded.model.config.get_text_config(decoder=True)
     prefix = len(classifier.prompt.prefix_ids)
     width = config.num_attention_heads * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)

@@ -110,17 +110,27 @@ def head_gflop(classifier: Classifier) -> float:
     return 2 * hidden * vocab * steps / 1e9
 
 
-def matmul_peak_gflops(dtype: torch.dtype, sizes: Sequence[int] = (1024, 2048), seconds: float = 0.6) -> float:
-    """Best sustained GFLOP/s of square matmuls at ``dtype`` with the current thread count."""
+def matmul_peak_gflops(
+    dtype: torch.dtype, device: torch.device | str = "cpu", seconds: float = 0.6, sizes: Sequence[int] | None = None
+) -> float:
+    """Best sustained GFLOP/s of square matmuls at ``dtype`` on ``device`` (CPU: the current thread count).
+
+    Default sizes are 1024 and 2048 on a CPU, 4096 and 8192 on a GPU (smaller ones leave a GPU idle).
+    GPU work is asynchronous, so each timing ends with a synchronize.
+    """
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     best = 0.0
-    for n in sizes:
-        a = torch.randn(n, n).to(dtype)
-        b = torch.randn(n, n).to(dtype)
+    for n in sizes or ((4096, 8192) if device.type == "cuda" else (1024, 2048)):
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
         a @ b  # warm-up
+        sync()
         count, started = 0, time.perf_counter()
         while time.perf_counter() - started < seconds:
             a @ b
             count += 1
+            sync()
         best = max(best, 2 * n**3 * count / (time.perf_counter() - started) / 1e9)
     return best
 
@@ -322,7 +332,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> tupl
     lanes, meta, base = build_lanes(options, log)
     records = ticket_records(options.items)
     dtypes = sorted({lane.dtype for lane in lanes if lane.dtype in ("float32", "bfloat16", "float16")})
-    peaks = {d: matmul_peak_gflops(getattr(torch, d)) for d in dtypes}
+    peaks = {d: matmul_peak_gflops(getattr(torch, d), base.device) for d in dtypes}
     log("matmul peak: " + ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in peaks.items()))
     report = run_lanes(lanes, records, peaks, on_lane=lambda name: log(f"running {name} on {len(records)} items ..."))
     tokenizer = base.tokenizer
