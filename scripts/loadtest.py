@@ -411,7 +411,7 @@ def report(lanes: list[Lane], args, ceiling: Ceiling) -> bool:
     print(f"engine in-process on the same items (no HTTP): {ceiling.one_ms:.1f} ms/item one per pass, "
           f"{ceiling.batched_ms:.1f} ms/item at B={ceiling.batch}: ceiling {ceiling.ratio:.2f}x; "
           f"at 100% of the {ceiling.dtype} matmul peak ({ceiling.peak_gflops:.0f} GFLOP/s) a batched item would take "
-          f"{ceiling.ideal_ms:.1f} ms: bound {ceiling.bound:.1f}x")
+          f"{ceiling.ideal_ms:.3g} ms: bound {ceiling.bound:.1f}x")
     for lane in lanes:
         for line in (lane.errors + lane.mismatches)[:5]:
             print(f"  [{lane.name}] {line}")
