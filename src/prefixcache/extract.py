@@ -36,6 +36,7 @@ from .kv import PrefixKV
 from .models import LoadedModel
 from .pool import PrefixPool
 from .prompt import SENTINEL, RecordSlot, split_at_sentinel, template_lead
+from .restart import Restart
 from .runner import Record, RunConfig
 from .task import ExtractTask
 
@@ -54,6 +55,7 @@ class ExtractPrompt(RecordSlot):
     tail_text: str
     prefix_ids: tuple[int, ...]
     heal: int
+    restart: Restart | None = None
 
     @property
     def input_names(self) -> list[str]:
@@ -93,7 +95,7 @@ def build_extract_prompt(task: ExtractTask, tokenizer) -> ExtractPrompt:
         PromptError: no chat template, a sentinel problem, or an unhealable boundary.
     """
     split = split_at_sentinel(tokenizer, render_extract_messages(task))
-    return ExtractPrompt(task, split.prefix_text, _lead(task), split.tail_text, split.prefix_ids, split.heal)
+    return ExtractPrompt(task, split.prefix_text, _lead(task), split.tail_text, split.prefix_ids, split.heal, split.restart)
 
 
 # ---------------------------------------------------------------------------

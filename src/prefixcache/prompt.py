@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from .errors import InputError, LabelCollisionError, PromptError
+from .restart import Restart, tokenize_prompts
 from .selection import resolve_examples
 from .task import Task
 
@@ -55,8 +56,9 @@ class RecordSlot:
     """Where a record goes in a rendered prompt: filling it in, and tokenizing the whole prompt.
 
     Shared by :class:`Prompt` and the extraction prompt. A subclass provides ``task``
-    (with ``input_template``), ``prefix_text``, ``lead``, ``tail_text``, ``prefix_ids``
-    and ``input_names``, the record fields the template uses.
+    (with ``input_template``), ``prefix_text``, ``lead``, ``tail_text``, ``prefix_ids``,
+    ``restart`` (where tokenizing a record's prompt may start, or None) and ``input_names``,
+    the record fields the template uses.
     """
 
     def suffix_text(self, record: Mapping[str, object], record_id: object = None) -> str:
@@ -78,14 +80,14 @@ class RecordSlot:
 
     def encode(self, tokenizer, texts: Sequence[str]) -> list[Encoded]:
         """Tokenize full prompts (``prefix_text + suffix``) and check each against the stored prefix;
-        ``suffix_ids`` is None where the tokens cross the boundary."""
-        if not texts:
-            return []
-        batch = tokenizer([self.prefix_text + t for t in texts], add_special_tokens=False)["input_ids"]
+        ``suffix_ids`` is None where the tokens cross the boundary.
+
+        ``full_ids`` are exactly ``tokenizer(prefix_text + suffix)``'s; with a ``restart`` only the text
+        after it is tokenized (:mod:`prefixcache.restart` says why that is exact).
+        """
         n = len(self.prefix_ids)
         out = []
-        for ids in batch:
-            ids = tuple(ids)
+        for ids in tokenize_prompts(tokenizer, self.prefix_text, self.restart, texts):
             out.append(Encoded(ids, ids[n:] if ids[:n] == self.prefix_ids else None))
         return out
 
@@ -104,6 +106,7 @@ class Prompt(RecordSlot):
             of ``tokenize(prefix_text)``, which then start every suffix).
         heal: how many trailing prefix tokens were moved into the suffix.
         label_ids: per label, the tokens of the answer as they follow ``tail_text``.
+        restart: where a record's prompt may start being tokenized (None: from the start).
     """
 
     task: Task
@@ -113,6 +116,7 @@ class Prompt(RecordSlot):
     prefix_ids: tuple[int, ...]
     heal: int
     label_ids: dict[str, tuple[int, ...]]
+    restart: Restart | None = None
 
     @property
     def input_names(self) -> list[str]:
@@ -196,6 +200,7 @@ class SentinelSplit:
     tail_text: str
     prefix_ids: tuple[int, ...]
     heal: int
+    restart: Restart | None
 
 
 def split_at_sentinel(tokenizer, messages: list[dict[str, str]]) -> SentinelSplit:
@@ -213,7 +218,7 @@ def split_at_sentinel(tokenizer, messages: list[dict[str, str]]) -> SentinelSpli
     encode = token_encoder(tokenizer)
     raw_prefix = encode(prefix_text)
     heal = _healing_depth(encode, prefix_text, raw_prefix, tail_text)
-    return SentinelSplit(prefix_text, tail_text, raw_prefix[: len(raw_prefix) - heal], heal)
+    return SentinelSplit(prefix_text, tail_text, raw_prefix[: len(raw_prefix) - heal], heal, Restart.find(tokenizer, prefix_text))
 
 
 def token_encoder(tokenizer) -> Callable[[str], tuple[int, ...]]:
@@ -232,7 +237,7 @@ def build_prompt(task: Task, tokenizer) -> Prompt:
     split = split_at_sentinel(tokenizer, render_messages(task))
     encode = token_encoder(tokenizer)
     label_ids = {label: _label_tokens(encode, split.tail_text, label) for label in task.labels}
-    return Prompt(task, split.prefix_text, input_lead(task), split.tail_text, split.prefix_ids, split.heal, label_ids)
+    return Prompt(task, split.prefix_text, input_lead(task), split.tail_text, split.prefix_ids, split.heal, label_ids, split.restart)
 
 
 def _healing_depth(encode, prefix_text: str, raw_prefix: tuple[int, ...], tail_text: str) -> int:
