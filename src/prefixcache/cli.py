@@ -447,6 +447,9 @@ def serve(
     max_prefix_tokens: int = typer.Option(8192, "--max-prefix-tokens", min=1, help="Largest prefix of an uploaded task."),
     cache_budget: Optional[str] = typer.Option(None, "--cache-budget", help="Byte budget of the server's prefix pool, such as 256MB."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run a model repository's own code (only for models you trust)."),
+    compile_: bool = typer.Option(
+        False, "--compile", help="torch.compile each layer's MLP and norms for passes of 128+ tokens (needs a C++ compiler; ~15 s more start-up)."
+    ),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ):
     """Serve tasks over HTTP with micro-batching (FastAPI on uvicorn). Set PREFIXCACHE_API_KEY to require a key.
@@ -468,6 +471,10 @@ def serve(
     started = time.perf_counter()
     loaded = load_model(model, _choice(dtype, DTYPE_CHOICES, "--dtype"), threads, trust_remote_code=trust_remote_code)
     err.print(f"model {loaded.identity} ({str(loaded.dtype).removeprefix('torch.')}) loaded in {time.perf_counter() - started:.1f} s")
+    if compile_:
+        from .compiled import compile_layers
+
+        compile_layers(loaded.model)  # compiles on the first large pass: the prefix builds, before serving
     run_server(loaded, specs, settings, log_level)
 
 
