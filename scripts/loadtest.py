@@ -27,7 +27,6 @@ Exit code 0 when there are no errors and micro-batched throughput is at least
 
     python scripts/loadtest.py --model smollm2-135m                   # serve's default dtype (auto)
     python scripts/loadtest.py --model smollm2-135m --dtype float32   # the strict reference
-    python scripts/loadtest.py --model smollm2-135m --compile         # both servers with serve --compile
 """
 
 from __future__ import annotations
@@ -98,8 +97,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=32, help="the micro-batched lane's --max-batch")
     p.add_argument("--max-wait-ms", type=float, default=None, help="the micro-batched server's --max-wait-ms (default: serve's)")
     p.add_argument("--arrival-gap-ms", type=float, default=None, help="the micro-batched server's --arrival-gap-ms (default: serve's)")
-    p.add_argument("--compile", action="store_true",
-                   help="serve --compile in both lanes (and the in-process ceiling): compiled MLP and norms for passes of 128+ tokens")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds per lane (A B, B A, ...), against load drift")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest |probability difference| counted as equal (default: 1e-4 in float32; 0.1 in bfloat16, "
@@ -169,10 +166,6 @@ def sequential_reference(args, requests) -> tuple[dict[str, object], Ceiling]:
     from prefixcache.runner import RunStats, warmup
 
     loaded = load_model(args.model, args.dtype, args.threads)
-    if args.compile:
-        from prefixcache.compiled import compile_layers
-
-        compile_layers(loaded.model)
     if args.tolerance is None:
         args.tolerance = 1e-4 if loaded.dtype == torch.float32 else 0.1
     classifier = Classifier(loaded, load_task(args.task))
@@ -211,8 +204,6 @@ class Server:
                "--max-queue", str(max(1024, args.clients * args.items_per_request * 2)), "--log-level", "warning"]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
-        if args.compile:
-            cmd += ["--compile"]
         for flag, value in (("--max-wait-ms", args.max_wait_ms), ("--arrival-gap-ms", args.arrival_gap_ms)):
             if value is not None:
                 cmd += [flag, str(value)]
@@ -446,7 +437,7 @@ def machine_load() -> str:
 def main() -> int:
     args = parse_args()
     print(f"load test: {args.clients} clients, {args.requests} requests x {args.items_per_request} item(s) per lane, "
-          f"model {args.model}, task {args.task}, dtype {args.dtype}{', compiled' if args.compile else ''}, loopback {HOST}", flush=True)
+          f"model {args.model}, task {args.task}, dtype {args.dtype}, loopback {HOST}", flush=True)
     print(f"machine: {os.cpu_count()} CPUs, load average {machine_load()} at start", flush=True)
     requests = workload(args.requests, args.items_per_request, args.distinct)
     with tempfile.TemporaryDirectory(prefix="prefixcache-loadtest-") as folder:

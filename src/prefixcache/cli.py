@@ -69,13 +69,18 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _setup(task: str, model: str, dtype: str, threads: Optional[int], method: str, pool=None) -> Classifier:
+def _load(model: str, dtype: str, threads: Optional[int], trust_remote_code: bool = False):
+    """Load ``--model``, saying which and how long it took."""
     _quiet_transformers()
-    spec = load_task(task)
     started = time.perf_counter()
-    loaded = load_model(model, _choice(dtype, DTYPE_CHOICES, "--dtype"), threads)
+    loaded = load_model(model, _choice(dtype, DTYPE_CHOICES, "--dtype"), threads, trust_remote_code=trust_remote_code)
     err.print(f"model {loaded.identity} ({str(loaded.dtype).removeprefix('torch.')}) loaded in {time.perf_counter() - started:.1f} s")
-    return Classifier(loaded, spec, _choice(method, METHODS, "--method"), pool=pool)
+    return loaded
+
+
+def _setup(task: str, model: str, dtype: str, threads: Optional[int], method: str, pool=None) -> Classifier:
+    spec = load_task(task)
+    return Classifier(_load(model, dtype, threads), spec, _choice(method, METHODS, "--method"), pool=pool)
 
 
 TaskOpt = typer.Option("support-tickets", "--task", help="A bundled task name or a path to a task YAML.")
@@ -447,9 +452,6 @@ def serve(
     max_prefix_tokens: int = typer.Option(8192, "--max-prefix-tokens", min=1, help="Largest prefix of an uploaded task."),
     cache_budget: Optional[str] = typer.Option(None, "--cache-budget", help="Byte budget of the server's prefix pool, such as 256MB."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run a model repository's own code (only for models you trust)."),
-    compile_: bool = typer.Option(
-        False, "--compile", help="torch.compile each layer's MLP and norms for passes of 128+ tokens (needs a C++ compiler; ~15 s more start-up)."
-    ),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ):
     """Serve tasks over HTTP with micro-batching (FastAPI on uvicorn). Set PREFIXCACHE_API_KEY to require a key.
@@ -467,15 +469,7 @@ def serve(
         cache_budget_bytes=parse_bytes(cache_budget) if cache_budget else None,
     )
     specs = [load_any_task(name) for name in task]
-    _quiet_transformers()
-    started = time.perf_counter()
-    loaded = load_model(model, _choice(dtype, DTYPE_CHOICES, "--dtype"), threads, trust_remote_code=trust_remote_code)
-    err.print(f"model {loaded.identity} ({str(loaded.dtype).removeprefix('torch.')}) loaded in {time.perf_counter() - started:.1f} s")
-    if compile_:
-        from .compiled import compile_layers
-
-        compile_layers(loaded.model)  # compiles on the first large pass: the prefix builds, before serving
-    run_server(loaded, specs, settings, log_level)
+    run_server(_load(model, dtype, threads, trust_remote_code), specs, settings, log_level)
 
 
 # --- the prefix pool, its disk tier, and extraction tasks -------------------------------------
@@ -542,11 +536,7 @@ def _setup_extractor(task: str, model: str, dtype: str, threads: Optional[int], 
     spec = load_any_task(task)
     if not isinstance(spec, ExtractTask):
         raise typer.BadParameter(f"task {spec.name!r} is a classification task; run it with `prefixcache classify`", param_hint="--task")
-    _quiet_transformers()
-    started = time.perf_counter()
-    loaded = load_model(model, _choice(dtype, DTYPE_CHOICES, "--dtype"), threads)
-    err.print(f"model {loaded.identity} ({str(loaded.dtype).removeprefix('torch.')}) loaded in {time.perf_counter() - started:.1f} s")
-    return Extractor(loaded, spec, pool=pool, max_new_tokens=max_new_tokens)
+    return Extractor(_load(model, dtype, threads), spec, pool=pool, max_new_tokens=max_new_tokens)
 
 
 def _report_agreement(as_json: bool, document: dict, title: str, row: dict[str, str]) -> None:

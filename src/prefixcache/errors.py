@@ -46,3 +46,4 @@ class CacheStoreError(PrefixCacheError):
 
 class ResourceError(PrefixCacheError):
     """The machine or cluster lacks what a run asks for (GPUs for the workers, say)."""
+
