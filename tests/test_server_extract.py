@@ -205,14 +205,24 @@ def test_pool_metrics_evictions_and_budget(loaded, task, extract_task):
 
 
 def test_deleting_a_pinned_task_unpins_its_prefix(loaded, task):
-    pinned = TASK_YAML.replace("name: tiny-tickets", "name: tiny-pinned") + "pin: true\n"
-    with serving(loaded, [task]) as server:
-        assert call(server, "PUT", "/v1/tasks/tiny-pinned", raw=pinned.encode(), headers=YAML_HEADERS)[0] == 201
+    pinned = parse_task(TASK_YAML.replace("name: tiny-tickets", "name: tiny-pinned") + "pin: true\n", "pinned.yaml")
+    with serving(loaded, [task, pinned]) as server:  # pinning is the operator's: a start-up task
         held = metric_samples(server)
         assert call(server, "DELETE", "/v1/tasks/tiny-pinned")[0] == 204
         deadline = time.monotonic() + 10
         while metric(samples := metric_samples(server), "prefixcache_pool_pinned") and time.monotonic() < deadline:
             time.sleep(0.05)  # the unpin runs on the model thread, after the DELETE answered
     assert metric(held, "prefixcache_pool_pinned") == 1
-    assert metric(held, "prefixcache_pool_hits_total") == 1, "the same prefix tokens share one pool entry"
+    assert metric(held, "prefixcache_pool_entries") == 1, "the same prefix tokens share one pool entry"
     assert metric(samples, "prefixcache_pool_pinned") == 0 and metric(samples, "prefixcache_pool_entries") == 1
+
+
+def test_an_uploaded_task_cannot_pin_its_prefix(loaded, task):
+    """A pinned prefix is never evicted: uploads that pin could fill the pool and starve every other task."""
+    pinned = TASK_YAML.replace("name: tiny-tickets", "name: tiny-pinned") + "pin: true\n"
+    with serving(loaded, [task]) as server:
+        status, _, body = call(server, "PUT", "/v1/tasks/tiny-pinned", raw=pinned.encode(), headers=YAML_HEADERS)
+        samples = metric_samples(server)
+        listed = [t["name"] for t in call(server, "GET", "/v1/tasks")[2]["tasks"]]
+    assert status == 422 and "'tiny-pinned'" in body["detail"] and "field 'pin'" in body["detail"], body
+    assert metric(samples, "prefixcache_pool_pinned") == 0 and listed == ["tiny-tickets"]

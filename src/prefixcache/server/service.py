@@ -115,11 +115,18 @@ class Service:
     async def register(self, task: Task | ExtractTask, uploaded: bool = True) -> tuple[TaskRunner, bool]:
         """Build ``task``'s runner (and prefix) on the model thread, then swap it in.
 
-        An ``uploaded`` task's prefix may not exceed ``settings.max_prefix_tokens``; the
-        operator's start-up tasks have no such limit.
+        An ``uploaded`` task's prefix may not exceed ``settings.max_prefix_tokens`` and may not be
+        pinned (a pinned prefix is never evicted, so uploads could fill the pool and starve every
+        other task); the operator's start-up tasks have neither limit.
         Returns the runner and whether the name is new. Raises what ``build_runner`` raises
-        (for an uploaded task, a prefix that cannot fit in the pool is a TaskUploadError).
+        (for an uploaded task, a prefix that cannot fit in the pool is a TaskUploadError) and
+        TaskUploadError for an uploaded ``pin: true``.
         """
+        if uploaded and task.pin:
+            raise TaskUploadError(
+                f"task {task.name!r}: field 'pin': only the tasks the server starts with may pin their prefix "
+                "(an uploaded task's prefix is evicted like any other when the pool needs room); drop 'pin'"
+            )
         loop = asyncio.get_running_loop()
         limit = self.settings.max_prefix_tokens if uploaded else None
         try:
