@@ -455,8 +455,15 @@ def test_web_page_in_headless_chromium(loaded, task, tmp_path, monkeypatch):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
 
-    with serving(loaded, [task], api_key="page-key") as server:
-        reference = call(server, "POST", "/v1/classify", {"task": TASK, "items": TEXTS[:4]}, headers={"Authorization": "Bearer page-key"})[2]
+    from conftest import EXTRACT_YAML
+
+    from prefixcache.task import parse_task
+
+    extract_task = parse_task(EXTRACT_YAML, "tiny-fields.yaml", kinds=("extract",))
+    auth = {"Authorization": "Bearer page-key"}
+    with serving(loaded, [task, extract_task], api_key="page-key") as server:
+        reference = call(server, "POST", "/v1/classify", {"task": TASK, "items": TEXTS[:4]}, headers=auth)[2]
+        extracted = call(server, "POST", "/v1/extract", {"task": "tiny-fields", "items": TEXTS[:3]}, headers=auth)[2]
         browser = webdriver.Chrome(options=options, service=Service(driver_path))
         try:
             wait = WebDriverWait(browser, 30)
@@ -480,7 +487,26 @@ def test_web_page_in_headless_chromium(loaded, task, tmp_path, monkeypatch):
             assert "prefix tokens reused" in browser.find_element(By.ID, "status").text
             wait.until(lambda b: b.find_element(By.ID, "hit-rate").text == "100.0%")
             wait.until(lambda b: float(b.find_element(By.ID, "items-per-second").text or 0) > 0)
-            wait.until(lambda b: b.find_element(By.ID, "items-total").text == "8")
+            wait.until(lambda b: b.find_element(By.ID, "items-total").text == "11")
+
+            # an extraction task: its own button, columns and result cells, equal to the API's answer
+            Select(browser.find_element(By.ID, "task")).select_by_value("tiny-fields")
+            assert browser.find_element(By.ID, "classify").text == "Extract"
+            assert "extracts: product, sentiment" in browser.find_element(By.ID, "task-labels").text
+            records = browser.find_element(By.ID, "records")
+            records.clear()
+            records.send_keys("\n".join(TEXTS[:3]))
+            browser.find_element(By.ID, "classify").click()
+            wait.until(lambda b: "generated text" in b.find_element(By.ID, "results").text
+                       and len(b.find_elements(By.CSS_SELECTOR, "#results tbody tr")) == 3)
+            for row, want in zip(browser.find_elements(By.CSS_SELECTOR, "#results tbody tr"), extracted["results"]):
+                cells = row.find_elements(By.TAG_NAME, "td")
+                text = [c.get_attribute("textContent") for c in cells]  # exact DOM text (generated text may hold odd spaces)
+                assert text[3] == (want["raw"] or "") and text[4] == (want["error"] or "")
+                shown = {e.get_attribute("data-field"): e.get_attribute("textContent") for e in row.find_elements(By.CSS_SELECTOR, "dd")}
+                expected = {k: "–" if v is None else v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
+                            for k, v in (want["fields"] or {}).items()}
+                assert shown == expected
             errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE" and "401" not in e["message"]]
             assert not errors, f"console errors: {errors}"
         finally:
