@@ -162,6 +162,17 @@ def test_ids_usage_and_string_items(loaded, task):
     assert body["usage"]["suffix_tokens"] > 3
 
 
+def test_blank_items_are_answered_with_a_warning(loaded, task):
+    """A blank text is classified (the model's guess) and says so, as on the CLI; it is not a 500."""
+    with serving(loaded, [task]) as server:
+        status, _, body = call(server, "POST", "/v1/classify", {"task": TASK, "items": ["", "   ", "crash"]})
+    assert status == 200, body
+    blank, spaces, plain = body["results"]
+    for r in (blank, spaces):
+        assert "empty or only whitespace" in r["warning"] and r["label"] in r["scores"]
+    assert set(plain) == {"id", "label", "scores", "margin"}, "absent keys stay absent, not null"
+
+
 # --- auth ------------------------------------------------------------------------------------------
 
 

@@ -104,7 +104,7 @@ def _routes(app: FastAPI, service: Service) -> None:
         """Live figures: items/s over the last 10 s, prefix hit rate, queue depth."""
         return Stats(**service.metrics.summary(service.batcher.depth, service.batcher.in_progress, len(service.tasks())))
 
-    @app.post("/v1/classify", response_model=ClassifyResponse, tags=["items"])
+    @app.post("/v1/classify", response_model=ClassifyResponse, response_model_exclude_none=True, tags=["items"])
     async def classify(body: ItemsRequest) -> ClassifyResponse:
         """Classify every item with the task's labels. Results come back in the items' order."""
         results, usage = await service.run("classify", body.task, body.records())

@@ -75,6 +75,10 @@ class ClassifyResult(BaseModel):
     label: str
     scores: dict[str, float] = Field(description="Probability of each label (they sum to 1).")
     margin: float = Field(description="Log-probability gap between the best and the second-best label.")
+    warning: str | None = Field(
+        default=None, description="Present when the item's text is empty or only whitespace: the label is the model's guess without it."
+    )
+    truncated: bool | None = Field(default=None, description="Present (true) when a field was cut to fit the model's context.")
 
 
 class ClassifyResponse(BaseModel):
