@@ -110,3 +110,30 @@ def test_bundled_tasks_restart_exactly_on_the_embedded_tokenizer(name):
         assert ids == whole(tokenizer, prompt.prefix_text, suffix)
 
     exact()
+
+
+@pytest.fixture(scope="module")
+def nfc():
+    """The tiny tokenizer with an NFC normalizer (as Qwen's has), and the task's prompt for it."""
+    from tokenizers import normalizers
+
+    from conftest import TASK_YAML, make_tokenizer
+    from prefixcache.task import parse_task
+
+    tokenizer = make_tokenizer()
+    tokenizer.backend_tokenizer.normalizer = normalizers.NFC()
+    return tokenizer, build_prompt(parse_task(TASK_YAML, "tiny.yaml"), tokenizer)
+
+
+COMBINING = ["e\u0301", "\u0301", "caf\u00e9", "\u212b", "\ufb01", " ", "\n", "A", "<|im_end|>", "<|im_"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(suffix=st.lists(st.sampled_from(COMBINING), max_size=6).map("".join))
+def test_a_normalizing_tokenizer_restarts_exactly(nfc, suffix):
+    """Combining marks and compatibility characters in the record still give the whole prompt's ids:
+    normalization runs per piece, after the added-token split."""
+    tokenizer, prompt = nfc
+    assert prompt.restart is not None
+    (ids,) = tokenize_prompts(tokenizer, prompt.prefix_text, prompt.restart, [suffix])
+    assert ids == whole(tokenizer, prompt.prefix_text, suffix)
