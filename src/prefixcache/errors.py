@@ -46,4 +46,3 @@ class CacheStoreError(PrefixCacheError):
 
 class ResourceError(PrefixCacheError):
     """The machine or cluster lacks what a run asks for (GPUs for the workers, say)."""
-

@@ -187,7 +187,6 @@ class Service:
         usage = Usage(reused_prefix_tokens(runner, prepared), sum(len(item.rows) for item in prepared))
         return results, usage
 
-
     def _prepare(self, runner: TaskRunner, records: Sequence[Record]):
         """On a prep thread: ``runner.prepare`` with a tokenizer copy no other thread holds meanwhile."""
         tokenizer = self._prep_tokenizers.get()  # never waits: there are as many copies as prep threads
