@@ -200,6 +200,24 @@ def test_extend_does_not_touch_the_stored_prefix(tiny_llama):
         assert torch.allclose(a, b, atol=1e-5), "extend must equal building the whole prefix"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_checksum_sees_values_permuted_in_place(dtype):
+    """A sum would keep its value when the stored values are only reordered; the checksum must not."""
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 2, 5, 4, generator=generator).to(dtype)  # [1, kv_heads, P, head_dim]
+    values = torch.randn(1, 2, 5, 4, generator=generator).to(dtype)
+    prefix = PrefixKV((1, 2, 3, 4, 5), (keys,), (values,))
+    before, total = prefix.checksum(), float(keys.double().sum())
+    assert prefix.checksum() == before, "the checksum of unchanged tensors must be stable"
+    keys.copy_(keys.flip(-2))  # the same values, positions reversed, in place
+    assert float(keys.double().sum()) == pytest.approx(total), "the permutation must keep the sum (the point of the test)"
+    assert prefix.checksum() != before, "values permuted in place kept the checksum"
+    keys.copy_(keys.flip(-2))
+    assert prefix.checksum() == before, "restoring the values must restore the checksum"
+    values[0, 0, 0, 0], values[0, 1, 0, 0] = values[0, 1, 0, 0].clone(), values[0, 0, 0, 0].clone()
+    assert prefix.checksum() != before, "two values swapped between heads kept the checksum"
+
+
 # --- disk tier ------------------------------------------------------------------------------
 
 

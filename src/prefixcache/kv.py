@@ -19,6 +19,7 @@ This module knows nothing about tasks, labels or tokenizers.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -81,9 +82,18 @@ class PrefixKV:
             raise ValueError(f"packed rows are one sequence: fork(1, packing), not fork({batch_size}, packing)")
         return ForkedCache([_ForkLayer(k, v, batch_size, packing) for k, v in zip(self.keys, self.values)])
 
-    def checksum(self) -> float:
-        """A cheap fingerprint of the stored tensors (used by tests to prove nothing mutated them)."""
-        return float(sum(t.double().sum() for t in (*self.keys, *self.values)))
+    def checksum(self) -> str:
+        """SHA-256 over the token ids and every stored tensor's dtype, shape and raw bytes.
+
+        Used by tests to prove nothing mutated the prefix: unlike a sum, it changes when values are
+        permuted or when two changes cancel. Reads the tensors only (copies them to the CPU when needed).
+        """
+        digest = hashlib.sha256(",".join(map(str, self.token_ids)).encode())
+        for t in (*self.keys, *self.values):
+            raw = t.detach().contiguous().cpu()
+            digest.update(f"|{raw.dtype}|{tuple(raw.shape)}|".encode())
+            digest.update(raw.reshape(-1).view(torch.uint8).numpy().tobytes())  # bytes, so bfloat16 works too
+        return digest.hexdigest()
 
     def head(self, length: int) -> PrefixKV:
         """The first ``length`` tokens as *views* of this prefix (no copy; exact, since attention is causal).
