@@ -5,15 +5,52 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
-from prefixcache.runner import Classifier, Record, RunConfig, records_from_texts
+from prefixcache import engine
+from prefixcache.runner import Classifier, Record, RunConfig, RunStats, records_from_texts
 from prefixcache.verify import compare
+
+from conftest import assert_cached_path_ran
 
 TOL = 1e-4
 
 
-def _run(classifier, texts, mode, batch):
-    return classifier.classify_all(records_from_texts(texts), RunConfig(mode, batch))
+def _run(classifier, texts, mode, batch, stats=None):
+    return classifier.classify_all(records_from_texts(texts), RunConfig(mode, batch), stats=stats)
+
+
+def _run_checked(classifier, texts, mode, batch):
+    """A cached or batched run that must have fed every record after the stored prefix (none of ``texts``
+    crosses the boundary), computing exactly the records' suffix tokens."""
+    stats = RunStats()
+    predictions = _run(classifier, texts, mode, batch, stats)
+    assert not any(p.boundary_fallback for p in predictions), f"{mode} b={batch}: a record fell back to full re-encoding"
+    assert stats.boundary_fallbacks == 0, f"{mode} b={batch}: stats count {stats.boundary_fallbacks} boundary fallbacks"
+    assert_cached_path_ran(classifier, records_from_texts(texts), predictions, stats)
+    return predictions
+
+
+@pytest.fixture
+def packed_passes(monkeypatch) -> list[int]:
+    """Records the number of rows of every packed forward pass (``engine.last_hidden_packed``)."""
+    calls: list[int] = []
+    real = engine.last_hidden_packed
+
+    def spy(model, prefix, rows):
+        calls.append(len(rows))
+        return real(model, prefix, rows)
+
+    monkeypatch.setattr(engine, "last_hidden_packed", spy)
+    return calls
+
+
+def _assert_path(method, packed_passes):
+    """First-token scoring of rows of unequal length must take the packed path; ``full`` never does."""
+    if method == "first-token":
+        assert any(n > 1 for n in packed_passes), f"no packed pass of several rows ran (passes: {packed_passes})"
+    else:
+        assert not packed_passes, f"method full should run padded rows, but packed passes ran: {packed_passes}"
 
 
 @pytest.mark.parametrize("method", ["first-token", "full"])
@@ -22,7 +59,7 @@ def test_cached_equals_full(tiny, task, texts, method, batch):
     classifier = Classifier(tiny, task, method)
     reference = _run(classifier, texts, "full", 1)
     mode = "cached" if batch == 1 else "batched"
-    candidate = _run(classifier, texts, mode, batch)
+    candidate = _run_checked(classifier, texts, mode, batch)
     agreement = compare(reference, candidate)
     assert agreement.ok, f"{mode} b={batch} disagrees with full re-encoding on ids {agreement.disagreeing_ids}"
     assert agreement.max_abs_logprob_diff < TOL, f"log-probs drift by {agreement.max_abs_logprob_diff:.2e} (> {TOL})"
@@ -48,37 +85,54 @@ def test_prefix_is_never_mutated(tiny, task, texts, method):
     classifier = Classifier(tiny, task, method)
     before = classifier.prefix.checksum()
     keys_before = [k.clone() for k in classifier.prefix.keys]
-    _run(classifier, texts, "batched", 3)
-    _run(classifier, texts, "cached", 1)
+    values_before = [v.clone() for v in classifier.prefix.values]
+    _run_checked(classifier, texts, "batched", 3)
+    _run_checked(classifier, texts, "cached", 1)
     assert classifier.prefix.checksum() == before, "a batch changed the stored prefix"
-    for a, b in zip(keys_before, classifier.prefix.keys):
-        assert (a == b).all()
+    for layer, (a, b) in enumerate(zip(keys_before, classifier.prefix.keys)):
+        assert torch.equal(a, b), f"a batch changed the stored prefix keys of layer {layer}"
+    for layer, (a, b) in enumerate(zip(values_before, classifier.prefix.values)):
+        assert torch.equal(a, b), f"a batch changed the stored prefix values of layer {layer}"
 
 
-def test_no_cross_talk_between_rows(tiny_llama, task, texts):
-    """A record's scores do not depend on which other records share its batch."""
-    classifier = Classifier(tiny_llama, task, "full")
+@pytest.mark.parametrize("method", ["first-token", "full"])
+def test_no_cross_talk_between_rows(tiny_llama, task, texts, method, packed_passes):
+    """A record's scores do not depend on which other records share its batch: padded rows (``full``)
+    or rows packed end to end (``first-token``, rows of unequal length)."""
+    classifier = Classifier(tiny_llama, task, method)
     alone = {p.id: p.scores.logprobs for p in _run(classifier, texts, "cached", 1)}
+    assert not packed_passes, f"single records should not be packed: {packed_passes}"
     crowd = [Record(i, {"text": t}) for i, t in enumerate(texts)] + [Record(f"noise{j}", {"text": "x " * (j * 7)}) for j in range(6)]
     mixed = classifier.classify_all(crowd, RunConfig("batched", 5))
+    _assert_path(method, packed_passes)
+    assert {p.id for p in mixed} >= set(alone), "a record is missing from the mixed batch's output"
     for prediction in mixed:
         if prediction.id in alone:
             diff = max(abs(a - b) for a, b in zip(alone[prediction.id], prediction.scores.logprobs))
-            assert diff < TOL, f"record {prediction.id} changed by {diff:.2e} when batched with others"
+            assert diff < TOL, f"record {prediction.id} changed by {diff:.2e} when batched with others ({method})"
 
 
-def test_concurrent_batches_do_not_share_state(tiny_llama, task, texts):
-    classifier = Classifier(tiny_llama, task, "full")
-    expected = [p.scores.logprobs for p in _run(classifier, texts, "batched", 4)]
+@pytest.mark.parametrize("method", ["first-token", "full"])
+def test_concurrent_batches_do_not_share_state(tiny_llama, task, texts, method, packed_passes):
+    classifier = Classifier(tiny_llama, task, method)
+    expected = [p.scores.logprobs for p in _run(classifier, texts, "cached", 1)]
+    assert not packed_passes, f"single records should not be packed: {packed_passes}"
     failures: list[str] = []
+
+    finished: list[int] = []
 
     def worker(seed: int):
         order = texts[seed:] + texts[:seed]
-        got = _run(classifier, order, "batched", 3)
+        try:
+            got = _run(classifier, order, "batched", 3)
+        except Exception as exc:  # reported below: a thread's exception would otherwise vanish
+            failures.append(f"thread {seed} raised {exc!r}")
+            raise
         for i, prediction in enumerate(got):
             want = expected[(i + seed) % len(texts)]
             if max(abs(a - b) for a, b in zip(want, prediction.scores.logprobs)) > TOL:
                 failures.append(f"thread {seed} record {i}")
+        finished.append(seed)
 
     threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
     for t in threads:
@@ -86,6 +140,8 @@ def test_concurrent_batches_do_not_share_state(tiny_llama, task, texts):
     for t in threads:
         t.join()
     assert not failures, f"concurrent runs diverged: {failures}"
+    assert sorted(finished) == [0, 1, 2, 3], f"only threads {sorted(finished)} finished"
+    _assert_path(method, packed_passes)
 
 
 def test_output_keeps_input_order_and_ids(tiny_llama, task, texts):

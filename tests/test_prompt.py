@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from prefixcache.errors import LabelCollisionError, PromptError
-from prefixcache.prompt import build_prompt
-from prefixcache.runner import Classifier, RunConfig, records_from_texts
+from prefixcache.prompt import build_prompt, token_encoder
+from prefixcache.runner import Classifier, Record, RunConfig, RunStats, records_from_texts
 from prefixcache.task import parse_task
 from prefixcache.verify import compare
 
-from conftest import TASK_YAML
+from conftest import TASK_YAML, assert_cached_path_ran
 
 
 def _task(**changes) -> object:
@@ -35,10 +35,12 @@ def test_trailing_space_prefix_is_healed_and_matches_full(tiny_llama, texts):
         assert prompt.prefix_ids + encoded.suffix_ids == full, "cached tokens differ from full re-encoding"
     classifier = Classifier(tiny_llama, task)
     records = records_from_texts(texts)
-    agreement = compare(
-        classifier.classify_all(records, RunConfig("full", 1)), classifier.classify_all(records, RunConfig("batched", 4))
-    )
-    assert agreement.ok and agreement.max_abs_logprob_diff < 1e-4
+    stats = RunStats()
+    candidate = classifier.classify_all(records, RunConfig("batched", 4), stats=stats)
+    assert not any(p.boundary_fallback for p in candidate), "a record of the healed prompt fell back to full re-encoding"
+    assert_cached_path_ran(classifier, records, candidate, stats)
+    agreement = compare(classifier.classify_all(records, RunConfig("full", 1)), candidate)
+    assert agreement.ok and agreement.max_abs_logprob_diff < 1e-4, f"cached differs from full: {agreement}"
 
 
 def test_unhealed_split_would_differ(tiny_llama):
@@ -51,17 +53,51 @@ def test_unhealed_split_would_differ(tiny_llama):
     assert raw + suffix != full
 
 
-def test_record_breaking_the_boundary_falls_back_to_full(tiny_llama, monkeypatch):
+def test_record_breaking_the_boundary_falls_back_to_full(tiny_llama):
     task = _task()
     classifier = Classifier(tiny_llama, task)
     # Pretend the stored prefix ends with a token no record would produce: every record must fall back.
     broken = classifier.prompt.prefix_ids[:-1] + (0,)
-    monkeypatch.setattr(classifier.prompt, "prefix_ids", broken, raising=False) if False else None
     object.__setattr__(classifier.prompt, "prefix_ids", broken)
     predictions = classifier.classify_all(records_from_texts(["refund please", "app crash"]), RunConfig("batched", 2))
     assert all(p.boundary_fallback for p in predictions)
     reference = classifier.classify_all(records_from_texts(["refund please", "app crash"]), RunConfig("full", 1))
     assert [p.label for p in predictions] == [p.label for p in reference]
+
+
+# "Ticket: pass" ends mid-word for the tiny BPE: " pass" + "word" re-tokenizes as " password", which no
+# healing probe foresees, so this record's whole prompt does not start with the stored prefix ids.
+CROSSING = {"cross": "word reset mail never arrives", "cross-short": "words"}
+PLAIN = {"plain": " reset mail never arrives", "plain-digits": "1234 failed twice"}
+
+
+@pytest.mark.parametrize("method", ["first-token", "full"])
+def test_record_crossing_the_boundary_naturally_falls_back_and_equals_full(tiny_llama, method):
+    task = _task(**{'"Ticket: {text}"': '"Ticket: pass{text}"'})
+    classifier = Classifier(tiny_llama, task, method)
+    prompt, encode = classifier.prompt, token_encoder(tiny_llama.tokenizer)
+    n = len(prompt.prefix_ids)
+    for text in CROSSING.values():
+        whole = encode(prompt.full_text({"text": text}))
+        assert whole[:n] != prompt.prefix_ids, f"{text!r} should merge with the prefix's ' pass' (healed {prompt.heal})"
+        assert any("password" in tiny_llama.tokenizer.decode([t]) for t in whole[n - 1 : n + 2]), "no token spans the boundary"
+    for text in PLAIN.values():
+        assert encode(prompt.full_text({"text": text}))[:n] == prompt.prefix_ids, f"{text!r} should not cross the boundary"
+    suffixes = [prompt.suffix_text({"text": t}) for t in (*CROSSING.values(), *PLAIN.values())]
+    assert [e.suffix_ids is None for e in prompt.encode(tiny_llama.tokenizer, suffixes)] == [True, True, False, False]
+
+    records = [Record(key, {"text": text}) for key, text in {**CROSSING, **PLAIN}.items()]
+    reference = classifier.classify_all(records, RunConfig("full", 1))
+    for mode, batch in (("cached", 1), ("batched", 4)):
+        stats = RunStats()
+        predictions = classifier.classify_all(records, RunConfig(mode, batch), stats=stats)
+        fell_back = {p.id for p in predictions if p.boundary_fallback}
+        assert fell_back == set(CROSSING), f"{mode}: expected {sorted(CROSSING)} to fall back, got {sorted(fell_back)}"
+        assert stats.boundary_fallbacks == len(CROSSING), f"{mode}: stats count {stats.boundary_fallbacks} fallbacks"
+        assert_cached_path_ran(classifier, records, predictions, stats)
+        agreement = compare(reference, predictions)
+        assert agreement.ok, f"{mode}: labels differ from full re-encoding on {agreement.disagreeing_ids}"
+        assert agreement.max_abs_logprob_diff < 1e-4, f"{mode}: log-probs drift by {agreement.max_abs_logprob_diff:.2e}"
 
 
 def test_first_token_collision_names_both_labels(tokenizer):
@@ -81,10 +117,12 @@ def test_full_method_separates_colliding_labels(tiny_llama, texts):
     classifier = Classifier(tiny_llama, task, "auto")
     assert classifier.method == "full"
     records = records_from_texts(texts)
-    agreement = compare(
-        classifier.classify_all(records, RunConfig("full", 1)), classifier.classify_all(records, RunConfig("batched", 7))
-    )
-    assert agreement.ok and agreement.max_abs_logprob_diff < 1e-4
+    stats = RunStats()
+    candidate = classifier.classify_all(records, RunConfig("batched", 7), stats=stats)
+    assert not any(p.boundary_fallback for p in candidate), "a record fell back to full re-encoding"
+    assert_cached_path_ran(classifier, records, candidate, stats)
+    agreement = compare(classifier.classify_all(records, RunConfig("full", 1)), candidate)
+    assert agreement.ok and agreement.max_abs_logprob_diff < 1e-4, f"cached differs from full: {agreement}"
 
 
 def test_no_chat_template_is_a_clear_error(task):

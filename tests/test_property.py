@@ -5,9 +5,11 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixcache.runner import Classifier, RunConfig, records_from_texts
+from prefixcache.runner import Classifier, RunConfig, RunStats, records_from_texts
 from prefixcache.task import Task
 from prefixcache.verify import compare
+
+from conftest import assert_cached_path_ran
 
 # Text with the characters that stress BPE boundaries: spaces, punctuation, digits, accents, CJK, newlines.
 ALPHABET = st.sampled_from(list("abcdefghijklmnopqrstuvwxyz ABCXYZ0123456789.,:;!?'\"-_/\n\té日本"))
@@ -31,7 +33,10 @@ def test_cached_label_equals_full_label(tiny_llama, instruction, lead, records, 
     classifier = Classifier(tiny_llama, task, "first-token")
     items = records_from_texts(records)
     reference = classifier.classify_all(items, RunConfig("full", 1))
-    candidate = classifier.classify_all(items, RunConfig("batched", batch))
+    stats = RunStats()
+    candidate = classifier.classify_all(items, RunConfig("batched", batch), stats=stats)
     agreement = compare(reference, candidate)
     assert agreement.ok, f"labels differ for ids {agreement.disagreeing_ids} (lead={lead!r})"
-    assert agreement.max_abs_logprob_diff < 1e-4
+    assert agreement.max_abs_logprob_diff < 1e-4, f"log-probs drift by {agreement.max_abs_logprob_diff:.2e} (lead={lead!r})"
+    # the cached path really ran: only records whose whole prompt crosses the prefix boundary fell back
+    assert_cached_path_ran(classifier, items, candidate, stats)
