@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,15 +19,25 @@ def test_unknown_bare_name():
 
 
 def test_unreachable_hub_id_fails_fast_and_says_what_to_do(monkeypatch, tmp_path):
+    """The real probe dials a hub endpoint that refuses connections (port 443 of the loopback address,
+    where nothing listens): no mock. The bound is on behaviour: the probe's connect timeout is 3 s."""
+    from huggingface_hub import constants
+
+    endpoint = "https://127.0.0.1"  # the probe connects to port 443 of the endpoint's host
+    with pytest.raises(OSError):  # the premise: nothing listens there
+        socket.create_connection(("127.0.0.1", 443), timeout=3).close()
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)  # huggingface_hub reads HF_ENDPOINT once, at import
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # so the probe really dials
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache: the model is not there
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setattr("prefixcache.models._hub_reachable", lambda timeout=3.0: False)
     started = time.perf_counter()
     with pytest.raises(ModelNotFoundError) as info:
         local_source("Qwen/Qwen2.5-0.5B-Instruct")
     message = str(info.value)
     assert "huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct" in message
     assert "--model smollm2-135m" in message
-    assert time.perf_counter() - started < 30
+    assert time.perf_counter() - started < 30, "an unreachable hub must fail within a few connect timeouts"
 
 
 def test_missing_gguf_path(tmp_path):
@@ -38,12 +50,22 @@ def test_folder_without_config(tmp_path):
         local_source(str(tmp_path))
 
 
+def _expected_auto_cpu_dtype() -> torch.dtype:
+    """Decided here from /proc/cpuinfo's flags, independently of prefixcache: native bf16 -> bfloat16."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:  # not Linux: no flags to read, so no claim of native bf16
+        return torch.float32
+    flags = {flag for line in lines if line.startswith("flags") for flag in line.partition(":")[2].split()}
+    return torch.bfloat16 if flags & {"avx512_bf16", "amx_bf16"} else torch.float32
+
+
 def test_dtype_resolution():
     cpu = torch.device("cpu")
     assert resolve_dtype("float32", cpu) == torch.float32
     assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert resolve_dtype("auto", cpu) in (torch.float32, torch.bfloat16)
+    assert resolve_dtype("auto", cpu) == _expected_auto_cpu_dtype(), "auto on this CPU must follow its bf16 flags"
     with pytest.raises(ValueError):
         resolve_dtype("int3", cpu)
 
