@@ -11,7 +11,9 @@ from __future__ import annotations
 import builtins
 import http.client
 import io
+import itertools
 import json
+import math
 import os
 import shutil
 import threading
@@ -83,6 +85,29 @@ def post_concurrently(server, path: str, task: str, requests: list[list[Record]]
     return answers
 
 
+def requests_of_sizes(records: list[Record], sizes: tuple[int, ...], max_batch: int) -> list[list[Record]]:
+    """Split ``records`` into consecutive requests whose sizes cycle through ``sizes`` (the last may be shorter).
+
+    Checks that the sizes really vary and that some requests are larger than ``max_batch`` (so they
+    must be split across passes), so that a test built on them cannot silently degrade to one item each.
+    """
+    requests, start = [], 0
+    for size in itertools.cycle(sizes):
+        if start >= len(records):
+            break
+        requests.append(records[start : start + size])
+        start += size
+    got = [len(r) for r in requests]
+    assert len(set(got)) >= 3 and min(got) == 1, f"request sizes {got} do not really vary"
+    assert sum(n > max_batch for n in got) >= 2, f"request sizes {got}: too few exceed max_batch={max_batch}"
+    return requests
+
+
+def unmerged_passes(requests: list[list], max_batch: int) -> int:
+    """The passes the requests would take if no pass held items of two requests."""
+    return sum(math.ceil(len(r) / max_batch) for r in requests)
+
+
 def metric_samples(server, headers=None) -> dict[tuple, float]:
     status, _, text = call(server, "GET", "/metrics", headers=headers)
     assert status == 200, text
@@ -123,13 +148,15 @@ def task_yaml_for():
 
 
 def test_concurrent_requests_are_merged_and_equal_sequential_results(loaded, task):
-    """32 clients at once: every result equals the one-at-a-time result, and passes held several requests."""
+    """29 clients at once, with requests of 1 to 11 items (some larger than max_batch, so split across passes):
+    every result equals the one-record-at-a-time result, scores within TOL, and passes held several requests."""
+    max_batch = 8
     records = [Record(f"r{i}", {"text": TEXTS[i % len(TEXTS)] + f" (ticket {i})"}) for i in range(48)]
     reference = Classifier(loaded, task).classify_all(records, RunConfig("cached", 1))
-    requests = [records[i : i + 1 + i % 3] for i in range(0, len(records), 3)][:16]  # 1 to 3 items each
+    requests = requests_of_sizes(records, (1, 3, 11, 2, 1, 9, 5, 1, 8, 2), max_batch)
     requests += [[r] for r in records[:16]]  # the same items again, in other batches
 
-    with serving(loaded, [task], max_batch=8, max_wait_ms=200, arrival_gap_ms=200) as server:
+    with serving(loaded, [task], max_batch=max_batch, max_wait_ms=200, arrival_gap_ms=200) as server:
         runner = server.app.state.service.runner(TASK, "classify")
         before = runner.bound.prefix.checksum()
         answers = post_concurrently(server, "/v1/classify", TASK, requests)
@@ -138,15 +165,30 @@ def test_concurrent_requests_are_merged_and_equal_sequential_results(loaded, tas
 
     by_id = {p.id: p for p in reference}
     for n, (status, _, body) in enumerate(answers):
-        assert status == 200, f"request {n}: {status} {body}"
-        assert [r["id"] for r in body["results"]] == [r.id for r in requests[n]], f"request {n}: results out of order"
+        assert status == 200, f"request {n} ({len(requests[n])} items): {status} {body}"
+        assert [r["id"] for r in body["results"]] == [r.id for r in requests[n]], f"request {n}: results missing or out of order"
         for result in body["results"]:
-            assert_same_prediction(result, by_id[result["id"]], f"request {n}")
+            assert_same_prediction(result, by_id[result["id"]], f"request {n} ({len(requests[n])} items)")
     items = sum(len(r) for r in requests)
     passes = metric(samples, "prefixcache_batch_size_count", task=TASK)
+    unmerged = unmerged_passes(requests, max_batch)
     assert metric(samples, "prefixcache_batch_size_sum", task=TASK) == items
-    assert passes < items / 2, f"{items} items took {passes} passes: concurrent requests were not merged"
+    assert passes < unmerged / 2, f"{items} items took {passes} passes (unmerged: {unmerged}): concurrent requests were not merged"
     assert after == before, "a pass changed the stored prefix (invariant 2)"
+
+
+def test_a_request_larger_than_max_batch_is_answered_after_its_last_pass(loaded, task):
+    """5 items at max_batch 2 take three passes; the answer holds all five, each equal to the sequential result."""
+    records = [Record(i, {"text": text}) for i, text in enumerate(TEXTS[:5])]
+    reference = Classifier(loaded, task).classify_all(records, RunConfig("cached", 1))
+    with serving(loaded, [task], max_batch=2) as server:
+        status, _, body = call(server, "POST", "/v1/classify", {"task": TASK, "items": TEXTS[:5]})
+        samples = metric_samples(server)
+    assert status == 200, f"{status} {body}"
+    assert [r and r["id"] for r in body["results"]] == [0, 1, 2, 3, 4], f"results missing: {body['results']}"
+    for result, want in zip(body["results"], reference):
+        assert_same_prediction(result, want, "a request split over passes")
+    assert metric(samples, "prefixcache_batch_size_count", task=TASK) == 3, "5 items at max_batch=2 must take 3 passes"
 
 
 def test_ids_usage_and_string_items(loaded, task):
