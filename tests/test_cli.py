@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 
 import pytest
 from typer.testing import CliRunner
@@ -65,14 +66,26 @@ def test_classify_csv_default_ids_and_modes_agree(model_dir, task_file, tmp_path
         writer = csv.writer(fh)
         writer.writerow(["text"])
         writer.writerows([[t] for t in TEXTS])
-    labels = {}
+    runs = {}
     for mode in ("full", "cached", "batched"):
         result = _invoke("classify", str(path), "--task", task_file, "--model", model_dir, "--dtype", "float32", "--mode", mode)
         assert result.exit_code == 0, result.output
         rows = _lines(result.stdout)
         assert [r["id"] for r in rows] == list(range(len(TEXTS)))
-        labels[mode] = [r["label"] for r in rows]
-    assert labels["full"] == labels["cached"] == labels["batched"]
+        runs[mode] = rows
+    for mode in ("cached", "batched"):
+        assert [r["label"] for r in runs[mode]] == [r["label"] for r in runs["full"]], f"{mode} labels differ from full"
+        for want, got in zip(runs["full"], runs[mode]):
+            assert_same_scores(got, want, f"{mode}, record {want['id']}")
+
+
+def assert_same_scores(got: dict, want: dict, where: str, tol: float = 1e-4) -> None:
+    """Two output lines' label log-probs agree within ``tol`` (invariant 1 in float32), not only their labels."""
+    assert set(got["scores"]) == set(want["scores"]), f"{where}: not the same labels scored"
+    for label, p in want["scores"].items():
+        drift = abs(math.log(got["scores"][label]) - math.log(p))
+        assert drift <= tol, f"{where}: log P({label}) differs by {drift:.2e} from the reference"
+    assert got["margin"] == pytest.approx(want["margin"], abs=2 * tol), f"{where}: margins differ"
 
 
 def test_classify_stdin(model_dir, task_file):
