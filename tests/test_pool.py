@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -251,16 +252,16 @@ def _corrupt_data(path):
 def test_corrupt_file_is_detected_and_recomputed(tiny_llama, task, tmp_path, caplog, damage, problem):
     records = records_from_texts(TEXTS)
     first = Classifier(tiny_llama, task, pool=PrefixPool(store=DiskStore(tmp_path)))
-    expected = [p.label for p in first.classify_all(records, RunConfig("batched", 4))]
+    expected = first.classify_all(records, RunConfig("batched", 4))
     (path,) = tmp_path.glob("*.safetensors")
     damage(path)
     again = Classifier(tiny_llama, task, pool=PrefixPool(store=DiskStore(tmp_path)))
     with caplog.at_level(logging.WARNING, logger="prefixcache.pool"):
-        labels = [p.label for p in again.classify_all(records, RunConfig("batched", 4))]
+        recomputed = again.classify_all(records, RunConfig("batched", 4))
     assert again.last_lookup.source == "computed", "a damaged file must never be used"
     assert again.pool.stats().disk_rejected == 1
     assert problem in caplog.text and "recomputing" in caplog.text, caplog.text
-    assert labels == expected
+    assert [p.scores.logprobs for p in recomputed] == [p.scores.logprobs for p in expected], "recomputing changed scores"
     third = Classifier(tiny_llama, task, pool=PrefixPool(store=DiskStore(tmp_path)))
     _ = third.prefix
     assert third.last_lookup.source == "disk", "the recomputed prefix must replace the damaged file"
@@ -344,8 +345,13 @@ def test_cli_classify_with_cache_dir_then_ls_and_clear(model_dir, tmp_path):
     second = runner.invoke(app, common + ["--cache-budget", "64MB", "--eviction", "lfu"], catch_exceptions=False)
     assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
     assert "0 loaded from disk" in first.stderr and "1 loaded from disk" in second.stderr, second.stderr
-    rows = lambda r: [json.loads(line)["label"] for line in r.stdout.splitlines() if line.startswith("{")]  # noqa: E731
-    assert rows(first) == rows(second)
+    rows = lambda r: [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]  # noqa: E731
+    computed, loaded = rows(first), rows(second)
+    assert [r["label"] for r in loaded] == [r["label"] for r in computed], "the stored prefix changed labels"
+    for want, got in zip(computed, loaded):
+        for label, p in want["scores"].items():
+            drift = abs(math.log(got["scores"][label]) - math.log(p))
+            assert drift <= 1e-4, f"record {want['id']}: the prefix loaded from disk moved log P({label}) by {drift:.2e}"
 
     listed = runner.invoke(app, ["cache", "ls", "--cache-dir", str(store), "--json"], catch_exceptions=False)
     assert listed.exit_code == 0
@@ -372,12 +378,22 @@ def test_cli_budget_too_small_is_a_clean_error(model_dir, tmp_path):
 
 
 def test_cli_verify_int8_reports_agreement_against_float(model_dir, tmp_path):
+    """A known outcome: scoring whole labels (``--method full``), every tiny-model margin is above 10 nats
+    (checked below), while int8 storage moves log-probs by about 0.1. No label can flip, so verify exits 0."""
     task_file = tmp_path / "task.yaml"
     task_file.write_text(TASK_YAML)
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    result = CliRunner().invoke(
-        app, ["verify", str(data), "--task", str(task_file), "--model", model_dir, "--dtype", "float32", "--kv-storage", "int8", "--json"],
-    )
-    assert result.exit_code in (0, 1), result.output
-    assert "int8 storage vs float storage: labels agree on" in result.stderr and "saved" in result.stderr
+    common = [str(data), "--task", str(task_file), "--model", model_dir, "--dtype", "float32", "--method", "full"]
+    plain = CliRunner().invoke(app, ["classify", *common], catch_exceptions=False)
+    assert plain.exit_code == 0, plain.output
+    margins = [json.loads(line)["margin"] for line in plain.stdout.splitlines() if line.startswith("{")]
+    assert len(margins) == len(TEXTS) and min(margins) > 10, f"the premise: wide margins in float storage, {margins}"
+    result = CliRunner().invoke(app, ["verify", *common, "--kv-storage", "int8", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, f"no label can flip, so verify must pass: {result.output}"
+    report = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+    assert report["records"] == report["agree"] == len(TEXTS) and report["disagreeing_ids"] == [], report
+    drift = report["max_abs_logprob_diff"]
+    assert 1e-4 < drift < min(margins) / 2, f"int8 storage is lossy but small: full vs int8-cached drift {drift}"
+    assert f"int8 storage vs float storage: labels agree on {len(TEXTS)}/{len(TEXTS)}" in result.stderr, result.stderr
+    assert "saved" in result.stderr
