@@ -23,7 +23,9 @@ from prefixcache.task import ExtractTask, load_any_task, parse_task
 
 from conftest import EXTRACT_YAML as CONFTEST_EXTRACT_YAML
 from conftest import TASK_YAML, TEXTS
-from test_server import TASK, assert_same_prediction, call, metric, metric_samples, post_concurrently, serving
+from test_server import (
+    TASK, assert_same_prediction, call, metric, metric_samples, post_concurrently, requests_of_sizes, serving, unmerged_passes,
+)
 
 EXTRACT = "tiny-fields"
 EXTRACT_YAML = CONFTEST_EXTRACT_YAML.replace("max_new_tokens: 10", "max_new_tokens: 8")
@@ -59,26 +61,43 @@ def expected_usage(loaded, task, records) -> dict:
 
 
 def test_extract_equals_the_engine_and_concurrent_requests_are_merged(loaded, extract_task):
-    records = [Record(f"e{i}", {"text": TEXTS[i % len(TEXTS)] + f" (order {i})"}) for i in range(12)]
+    """Requests of 1 to 6 items at once (some larger than max_batch, so split across passes): every
+    result equals the engine's one-record-at-a-time result, and passes held several requests."""
+    max_batch = 4
+    records = [Record(f"e{i}", {"text": TEXTS[i % len(TEXTS)] + f" (order {i})"}) for i in range(16)]
     reference = {r["id"]: r for r in engine_results(loaded, extract_task, records)}
-    requests = [records[i : i + 1 + i % 2] for i in range(0, len(records), 2)]  # 1 or 2 items each
+    requests = requests_of_sizes(records, (1, 6, 2, 1, 5, 1), max_batch)
 
-    with serving(loaded, [extract_task], max_batch=8, max_wait_ms=300, arrival_gap_ms=300) as server:
+    with serving(loaded, [extract_task], max_batch=max_batch, max_wait_ms=300, arrival_gap_ms=300) as server:
         answers = post_concurrently(server, "/v1/extract", EXTRACT, requests)
         samples = metric_samples(server)
 
     for n, (status, _, body) in enumerate(answers):
-        assert status == 200, f"request {n}: {status} {body}"
-        assert [r["id"] for r in body["results"]] == [r.id for r in requests[n]], f"request {n}: results out of order"
+        assert status == 200, f"request {n} ({len(requests[n])} items): {status} {body}"
+        assert [r["id"] for r in body["results"]] == [r.id for r in requests[n]], f"request {n}: results missing or out of order"
         for result in body["results"]:
             assert set(result) == {"id", "fields", "raw", "error"}
             assert result == reference[result["id"]], f"request {n}: {result} != the engine's {reference[result['id']]}"
         assert body["usage"] == expected_usage(loaded, extract_task, requests[n])
     items = sum(len(r) for r in requests)
     passes = metric(samples, "prefixcache_batch_size_count", task=EXTRACT)
+    unmerged = unmerged_passes(requests, max_batch)
     assert metric(samples, "prefixcache_batch_size_sum", task=EXTRACT) == items
     assert metric(samples, "prefixcache_items_total", task=EXTRACT, kind="extract") == items
-    assert passes < items / 2, f"{items} items took {passes} passes: concurrent extraction requests were not merged"
+    assert passes < unmerged * 3 / 4, (
+        f"{items} items took {passes} passes (unmerged: {unmerged}): concurrent extraction requests were not merged"
+    )
+
+
+def test_an_extract_request_larger_than_max_batch_is_answered_after_its_last_pass(loaded, extract_task):
+    """5 items at max_batch 2 take three passes; the answer holds all five, each equal to the engine's."""
+    records = [Record(i, {"text": text}) for i, text in enumerate(TEXTS[:5])]
+    with serving(loaded, [extract_task], max_batch=2) as server:
+        status, _, body = call(server, "POST", "/v1/extract", {"task": EXTRACT, "items": TEXTS[:5]})
+        samples = metric_samples(server)
+    assert status == 200, f"{status} {body}"
+    assert body["results"] == engine_results(loaded, extract_task, records), "a request split over passes lost or changed results"
+    assert metric(samples, "prefixcache_batch_size_count", task=EXTRACT) == 3, "5 items at max_batch=2 must take 3 passes"
 
 
 def test_extract_string_items_default_ids_and_item_errors(loaded, extract_task):
