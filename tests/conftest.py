@@ -189,8 +189,14 @@ def assert_cached_path_ran(classifier, records, predictions, stats) -> None:
             crossing.add(record.id)
             expected_tokens += len(ids)
     fell_back = {p.id for p in predictions if p.boundary_fallback}
-    assert fell_back == crossing, f"records {sorted(fell_back, key=str)} fell back to full re-encoding, but only {sorted(crossing, key=str)} cross the prefix boundary"
-    assert stats.boundary_fallbacks == len(crossing), f"stats count {stats.boundary_fallbacks} boundary fallbacks, expected {len(crossing)}"
+    assert fell_back == crossing, (
+        f"records {sorted(fell_back, key=str)} fell back to full re-encoding, "
+        f"but only {sorted(crossing, key=str)} cross the prefix boundary"
+    )
+    assert stats.boundary_fallbacks == len(crossing), (
+        f"stats count {stats.boundary_fallbacks} boundary fallbacks, expected {len(crossing)}"
+    )
     assert stats.tokens_computed == expected_tokens, (
-        f"the run computed {stats.tokens_computed} tokens, but the records' suffixes (whole prompts where they cross) have {expected_tokens}"
+        f"the run computed {stats.tokens_computed} tokens, but the records' suffixes "
+        f"(whole prompts where they cross) have {expected_tokens}"
     )

@@ -25,7 +25,7 @@ def _run_checked(classifier, texts, mode, batch):
     crosses the boundary), computing exactly the records' suffix tokens."""
     stats = RunStats()
     predictions = _run(classifier, texts, mode, batch, stats)
-    assert not any(p.boundary_fallback for p in predictions), f"{mode} b={batch}: a record fell back to full re-encoding"
+    assert not any(p.boundary_fallback for p in predictions), f"{mode} b={batch}: a record fell back to full"
     assert stats.boundary_fallbacks == 0, f"{mode} b={batch}: stats count {stats.boundary_fallbacks} boundary fallbacks"
     assert_cached_path_ran(classifier, records_from_texts(texts), predictions, stats)
     return predictions
@@ -102,7 +102,8 @@ def test_no_cross_talk_between_rows(tiny_llama, task, texts, method, packed_pass
     classifier = Classifier(tiny_llama, task, method)
     alone = {p.id: p.scores.logprobs for p in _run(classifier, texts, "cached", 1)}
     assert not packed_passes, f"single records should not be packed: {packed_passes}"
-    crowd = [Record(i, {"text": t}) for i, t in enumerate(texts)] + [Record(f"noise{j}", {"text": "x " * (j * 7)}) for j in range(6)]
+    noise = [Record(f"noise{j}", {"text": "x " * (j * 7)}) for j in range(6)]
+    crowd = [Record(i, {"text": t}) for i, t in enumerate(texts)] + noise
     mixed = classifier.classify_all(crowd, RunConfig("batched", 5))
     _assert_path(method, packed_passes)
     assert {p.id for p in mixed} >= set(alone), "a record is missing from the mixed batch's output"
