@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 
 import pytest
@@ -92,6 +93,11 @@ def test_ray_workers_write_the_labels_of_a_local_run(ray_installed, source, tmp_
     assert len(got) == len(want) == 40
     assert [g["id"] for g in got] == [w["id"] for w in want]
     assert [g["label"] for g in got] == [w["label"] for w in want], "Ray's labels differ from the local run's"
+    for g, w in zip(got, want):
+        assert (g["scores"] is None) == (w["scores"] is None), f"{w['id']}: scored on one side only"
+        for label, p in (w["scores"] or {}).items():
+            drift = abs(math.log(g["scores"][label]) - math.log(p))
+            assert drift <= 1e-4, f"{w['id']}: Ray's log P({label}) is {drift:.2e} from the local run's"
     assert [g.get("error") is None for g in got] == [w.get("error") is None for w in want]
     assert sum(g.get("error") is not None for g in got) == 1
 
