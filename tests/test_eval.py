@@ -265,13 +265,39 @@ def test_content_free_prior_is_the_mean_of_content_free_predictions(tiny, task):
         content_free_prior(classifier, ())
 
 
-def test_evaluate_matches_full_reencoding_and_calibrates_every_record(tiny, task):
+def full_prior(classifier, texts):
+    """The content-free prior by full re-encoding: log of the mean label distribution of ``texts``."""
+    records = [Record(i, {f: t for f in classifier.task.fields}) for i, t in enumerate(texts)]
+    return mean_distribution([p.scores.logprobs for p in classifier.classify_all(records, RunConfig("full", 1))])
+
+
+def assert_close_logprobs(got, want, where, tol=1e-4):
+    drift = max(abs(a - b) for a, b in zip(got, want))
+    assert len(got) == len(want) and drift <= tol, f"{where}: log-probs {drift:.2e} from full re-encoding's"
+
+
+def test_evaluate_matches_full_reencoding_and_calibrates_every_record(tiny, task, monkeypatch):
     texts = TEXTS[:-1]  # without the empty text: eval rows must have a label and a text
     data = labelled_records(records_of(texts, gold_for(texts)), "gold", task)
     classifier = Classifier(tiny, task)
+    runs = []  # every classify_all call evaluate makes, to read the scores behind its metrics
+    real = classifier.classify_all
+
+    def recording(records, *args, **kwargs):
+        runs.append(real(records, *args, **kwargs))
+        return runs[-1]
+
+    monkeypatch.setattr(classifier, "classify_all", recording)
     result = evaluate(classifier, data, batch_size=3, content_free=("N/A", ""))
+    monkeypatch.undo()
     full = classifier.classify_all(data.records, RunConfig("full", 1))
     assert result.metrics == compute_metrics(data.gold, [p.label for p in full], LABELS), "batched eval = full re-encoding"
+    whole = [run for run in runs if [p.id for p in run] == [r.id for r in data.records]]
+    assert whole, "evaluate never classified all its records in one call"
+    for got, want in zip(whole[-1], full):
+        assert_close_logprobs(got.scores.logprobs, want.scores.logprobs, f"evaluated record {want.id}")
+    assert result.prior.labels == tuple(LABELS)
+    assert_close_logprobs(result.prior.logprobs, full_prior(classifier, ("N/A", "")), "the content-free prior")
     by_hand = [calibrate(p.scores, result.prior).label for p in full]
     assert result.calibrated == compute_metrics(data.gold, by_hand, LABELS)
     document = result.to_json()
@@ -353,13 +379,16 @@ def test_cli_eval_calibrate_table_and_plot(model_dir, files, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_eval_calibrate_json_with_custom_content_free(model_dir, files):
+def test_cli_eval_calibrate_json_with_custom_content_free(model_dir, files, tiny):
     task_path, data_path, _ = files
     result = invoke(model_dir, task_path, data_path, "--json", "--content-free", "N/A", "--content-free", "")
     assert result.exit_code == 0, result.output
     calibrated = json_line(result.stdout)["calibrated"]
     assert REPORT_KEYS <= set(calibrated) and calibrated["content_free"] == ["N/A", ""]
     assert sum(calibrated["prior"].values()) == pytest.approx(1.0)
+    want = full_prior(Classifier(tiny, parse_task(POOL_YAML, "pool.yaml")), ("N/A", ""))  # model_dir holds tiny
+    got = [math.log(calibrated["prior"][label]) for label in LABELS]
+    assert_close_logprobs(got, want, "the CLI's content-free prior")
 
 
 def test_cli_eval_sweep_json_and_plot(model_dir, files, tmp_path):
