@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install browser demo test test-fast clean
+.PHONY: install browser demo test test-fast mutants clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,5 +32,15 @@ test: install browser
 test-fast: install
 	$(BIN)/python -m pytest -m "not embedded"
 
+# Mutation testing (slow; NOT part of `make test`). What it mutates and which tests it runs: [tool.mutmut] in
+# pyproject.toml; results and the judged survivors: docs/testing.md.
+# MUTANTS narrows the run to mutant-name globs, e.g.  make mutants MUTANTS='prefixcache.scoring.*'
+MUTANTS      ?=
+MUTANT_JOBS  ?= 2
+mutants: install
+	$(BIN)/pip install -q 'mutmut>=3.2'
+	$(BIN)/mutmut run --max-children $(MUTANT_JOBS) $(MUTANTS)
+	$(BIN)/python scripts/mutation_report.py --survivors
+
 clean:
-	rm -rf $(VENV) prefixcache-out .pytest_cache .hypothesis
+	rm -rf $(VENV) prefixcache-out .pytest_cache .hypothesis mutants
