@@ -86,7 +86,8 @@ def test_embedded_natcs_task_runs(smol):
     agreement = compare(
         classifier.classify_all(records, RunConfig("full", 1)), classifier.classify_all(records, RunConfig("batched", 6))
     )
-    assert agreement.ok
+    assert agreement.ok, f"labels differ on {agreement.disagreeing_ids}"
+    assert agreement.max_abs_logprob_diff < 1e-4, f"log-probs differ by {agreement.max_abs_logprob_diff:.2e}"
 
 
 def test_cli_verify_on_bundled_tickets(tmp_path):
@@ -98,7 +99,8 @@ def test_cli_verify_on_bundled_tickets(tmp_path):
     )
     assert result.exit_code == 0, result.output
     report = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
-    assert report["records"] == report["agree"] == 10
+    assert report["records"] == report["agree"] == 10 and report["disagreeing_ids"] == []
+    assert report["max_abs_logprob_diff"] < 1e-4, f"float32 log-probs drift from full re-encoding: {report}"
 
 
 def test_second_load_uses_the_converted_copy():
