@@ -2,7 +2,7 @@
 
 Each output is the bundled task file unchanged (same instruction, labels and
 examples) plus an ``example_pool`` of extra labelled examples, none of which is
-an evaluation row of that task (compared as :func:`prefixcache.selection.normalize_text`):
+an evaluation row of that task (compared as :func:`prefixcache.spec.selection.normalize_text`):
 
 * ``docs/tasks/support-tickets-pool.yaml``: ``POOL_PER_LABEL`` tickets per label from
   ``generate_tickets(400, seed=7)`` (the evaluation file is seed 0);
@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import build_natcs  # noqa: E402
 
-from prefixcache.data import bundled_dataset  # noqa: E402
-from prefixcache.selection import normalize_text  # noqa: E402
-from prefixcache.task import load_task  # noqa: E402
-from prefixcache.tickets import generate_tickets  # noqa: E402
+from prefixcache.io.records import bundled_dataset  # noqa: E402
+from prefixcache.spec.selection import normalize_text  # noqa: E402
+from prefixcache.spec.task import load_task  # noqa: E402
+from prefixcache.datasets.tickets import generate_tickets  # noqa: E402
 
 OUT = ROOT / "docs" / "tasks"
 TASKS = ROOT / "src" / "prefixcache" / "tasks"
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     outputs = {
         OUT / "support-tickets-pool.yaml": render(
-            "support-tickets", ticket_pool(), "Pool: prefixcache.tickets.generate_tickets(400, seed=7); evaluation file is seed 0."
+            "support-tickets", ticket_pool(), "Pool: prefixcache.datasets.tickets.generate_tickets(400, seed=7); evaluation file is seed 0."
         ),
         OUT / "natcs-intents-pool.yaml": render(
             "natcs-intents", natcs_pool(args.source), "Pool: other rows of the shared NatCS / DSTC11 csv (CDLA-Permissive-2.0)."

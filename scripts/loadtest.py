@@ -124,7 +124,7 @@ def snapshot_task(spec: str, folder: str) -> str:
 
 def workload(n_requests: int, per_request: int, distinct: int) -> list[list[dict]]:
     """Requests of bundled support tickets (``distinct`` of them, cycled), each item with a unique id."""
-    from prefixcache.data import bundled_dataset
+    from prefixcache.io.records import bundled_dataset
 
     with open(bundled_dataset(), encoding="utf-8") as fh:
         texts = [json.loads(line)["text"] for line in fh if line.strip()][:distinct]
@@ -162,8 +162,8 @@ def sequential_reference(args, requests) -> tuple[dict[str, object], Ceiling]:
     import torch
 
     from prefixcache import Classifier, Record, RunConfig, load_model, load_task
-    from prefixcache.bench import matmul_peak_gflops, nonembedding_params
-    from prefixcache.runner import RunStats, warmup
+    from prefixcache.bench.lanes import matmul_peak_gflops, nonembedding_params
+    from prefixcache.run.classify import RunStats, warmup
 
     loaded = load_model(args.model, args.dtype, args.threads)
     if args.tolerance is None:

@@ -32,10 +32,10 @@ import sys
 import tempfile
 import time
 
-from prefixcache import data
-from prefixcache.models import DEFAULT_MODEL, load_model
-from prefixcache.runner import Classifier, RunConfig
-from prefixcache.task import load_task
+from prefixcache.io import records as data
+from prefixcache.model.load import DEFAULT_MODEL, load_model
+from prefixcache.run.classify import Classifier, RunConfig
+from prefixcache.spec.task import load_task
 
 
 def single_process(args, records, threads: int) -> dict:

@@ -15,7 +15,7 @@ import argparse
 
 from transformers import AutoConfig
 
-from prefixcache.models import DEFAULT_MODEL, MODEL_CONFIGS, build_random_model, load_model_tokenizer
+from prefixcache.model.load import DEFAULT_MODEL, MODEL_CONFIGS, build_random_model, load_model_tokenizer
 
 
 def main() -> None:

@@ -11,8 +11,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
-from prefixcache.models import LoadedModel, build_random_model
-from prefixcache.task import parse_task
+from prefixcache.model.load import LoadedModel, build_random_model
+from prefixcache.spec.task import parse_task
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -1,4 +1,4 @@
-"""The allocator tuning (prefixcache.allocator): freed tensor memory is reused, not faulted in again.
+"""The allocator tuning (prefixcache.model.allocator): freed tensor memory is reused, not faulted in again.
 
 Each case runs in a fresh interpreter, since the tuning is process-wide and once per process. The
 measure is the kernel's count of minor page faults over 20 rounds that each make four 16 MiB tensors
@@ -19,10 +19,10 @@ import pytest
 
 PROBE = r"""
 import ctypes, json, os, resource, torch
-from prefixcache.allocator import M_MMAP_THRESHOLD, keep_freed_memory
+from prefixcache.model.allocator import M_MMAP_THRESHOLD, keep_freed_memory
 if os.environ["PREFIXCACHE_KEEP_FREED_MEMORY"] == "0":
     ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)  # glibc's classic, history-free setting
-from prefixcache.models import set_threads
+from prefixcache.model.load import set_threads
 set_threads(1)  # what load_model does first
 def one_round():
     activations = [torch.ones(4 << 20) for _ in range(4)]  # 4 x 16 MiB alive at once, then all freed

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixcache.attention import _attend_cpu_flash, _attend_eager
-from prefixcache.engine import empty_prefix, forward_rows, last_hidden_packed, pad_rows
-from prefixcache.kv import PrefixKV
+from prefixcache.cache.attention import _attend_cpu_flash, _attend_eager
+from prefixcache.engine.forward import empty_prefix, forward_rows, last_hidden_packed, pad_rows
+from prefixcache.cache.kv import PrefixKV
 
 def random_rows(test):
     """Run ``test`` on random prefix lengths (0-24 tokens), 1-5 rows of 1-9 tokens, and a seed."""
@@ -69,7 +69,7 @@ def test_packed_rows_give_each_rows_plain_forward(tiny, prefix_len, lengths, see
 
 
 def test_a_packed_fork_serves_one_pass(tiny):
-    from prefixcache.attention import Packing
+    from prefixcache.cache.attention import Packing
 
     prefix = PrefixKV.build(tiny.model, [5, 6, 7])
     with pytest.raises(ValueError, match="one sequence"):
@@ -99,7 +99,7 @@ def test_fused_and_eager_partial_attention_agree_including_empty_rows(dtype):
 
 
 def test_attention_features_it_cannot_share_are_refused():
-    from prefixcache.attention import SharedKV, shared_prefix_attention
+    from prefixcache.cache.attention import SharedKV, shared_prefix_attention
 
     q = torch.zeros(1, 2, 1, 4)
     kv = SharedKV(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 1, 4))

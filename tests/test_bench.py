@@ -11,11 +11,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from prefixcache.bench import Lane, matmul_peak_gflops, near_tie_ids, nonembedding_params, run_lanes
-from prefixcache.cli import app
-from prefixcache.runner import Prediction, Record, RunStats
-from prefixcache.scoring import LabelScores
-from prefixcache.verify import compare
+from prefixcache.bench.lanes import Lane, matmul_peak_gflops, near_tie_ids, nonembedding_params, run_lanes
+from prefixcache.cli.main import app
+from prefixcache.run.classify import Prediction, Record, RunStats
+from prefixcache.engine.scoring import LabelScores
+from prefixcache.eval.verify import compare
 
 from conftest import tiny_loaded, save_tiny_model
 

@@ -15,8 +15,8 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from prefixcache.cli import app
-from prefixcache.tickets import generate_tickets
+from prefixcache.cli.main import app
+from prefixcache.datasets.tickets import generate_tickets
 
 from conftest import TASK_YAML, save_tiny_model
 

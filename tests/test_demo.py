@@ -9,12 +9,12 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import make_tokenizer, save_tiny_model, tiny_config, tiny_loaded
-from prefixcache.cli import app
-from prefixcache.data import bundled_dataset, read_rows, to_records
-from prefixcache.demo import float32_twin
-from prefixcache.models import LoadedModel, build_random_model
-from prefixcache.runner import Classifier, RunConfig
-from prefixcache.task import load_task
+from prefixcache.cli.main import app
+from prefixcache.io.records import bundled_dataset, read_rows, to_records
+from prefixcache.cli.demo import float32_twin
+from prefixcache.model.load import LoadedModel, build_random_model
+from prefixcache.run.classify import Classifier, RunConfig
+from prefixcache.spec.task import load_task
 
 
 def long_context_llama() -> LoadedModel:

@@ -13,10 +13,10 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from prefixcache.cli import app
-from prefixcache.data import bundled_dataset, read_records
-from prefixcache.runner import Classifier, RunConfig
-from prefixcache.verify import compare
+from prefixcache.cli.main import app
+from prefixcache.io.records import bundled_dataset, read_records
+from prefixcache.run.classify import Classifier, RunConfig
+from prefixcache.eval.verify import compare
 
 pytestmark = pytest.mark.embedded
 
@@ -28,7 +28,7 @@ except importlib.metadata.PackageNotFoundError:  # pragma: no cover - CI install
 
 @pytest.fixture(scope="module")
 def smol():
-    from prefixcache.models import load_model
+    from prefixcache.model.load import load_model
 
     return load_model("smollm2-135m", dtype="float32")
 
@@ -43,7 +43,7 @@ def tickets():
 
 @pytest.fixture(scope="module")
 def tickets_classifier(smol):
-    from prefixcache.task import load_task
+    from prefixcache.spec.task import load_task
 
     return Classifier(smol, load_task("support-tickets"))
 
@@ -65,7 +65,7 @@ def test_embedded_cached_equals_full(tickets_classifier, reference, tickets, bat
 
 
 def test_embedded_full_scoring_matches_too(smol, tickets):
-    from prefixcache.task import load_task
+    from prefixcache.spec.task import load_task
 
     classifier = Classifier(smol, load_task("support-tickets"), "full")
     agreement = compare(
@@ -76,8 +76,8 @@ def test_embedded_full_scoring_matches_too(smol, tickets):
 
 
 def test_embedded_natcs_task_runs(smol):
-    from prefixcache.data import read_rows, to_records
-    from prefixcache.task import load_task
+    from prefixcache.io.records import read_rows, to_records
+    from prefixcache.spec.task import load_task
 
     task = load_task("natcs-intents")
     rows = list(read_rows(bundled_dataset("natcs/utterances.csv")))[:6]
@@ -104,7 +104,7 @@ def test_cli_verify_on_bundled_tickets(tmp_path):
 
 
 def test_second_load_uses_the_converted_copy():
-    from prefixcache.models import cache_home, load_model
+    from prefixcache.model.load import cache_home, load_model
 
     load_model("smollm2-135m", dtype="float32")  # converts on the very first run
     assert any(cache_home().glob("models/SmolLM2-135M-Instruct.Q4_1-*/model.safetensors"))

@@ -12,15 +12,15 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from prefixcache.calibration import Prior, calibrate, calibrate_logprobs, content_free_prior, mean_distribution
-from prefixcache.cli import app
+from prefixcache.eval.calibration import Prior, calibrate, calibrate_logprobs, content_free_prior, mean_distribution
+from prefixcache.cli.main import app
 from prefixcache.errors import InputError, TaskError
-from prefixcache.evaluate import evaluate, labelled_records, parse_steps, plan_eval, run_eval
-from prefixcache.metrics import compute_metrics, confusion_matrix, metrics_from_confusion
-from prefixcache.runner import Classifier, Record, RunConfig
-from prefixcache.scoring import LabelScores
-from prefixcache.selection import candidate_order, first_examples, normalize_text, overlapping_rows, resolve_examples
-from prefixcache.task import parse_task
+from prefixcache.eval.evaluate import evaluate, labelled_records, parse_steps, plan_eval, run_eval
+from prefixcache.eval.metrics import compute_metrics, confusion_matrix, metrics_from_confusion
+from prefixcache.run.classify import Classifier, Record, RunConfig
+from prefixcache.engine.scoring import LabelScores
+from prefixcache.spec.selection import candidate_order, first_examples, normalize_text, overlapping_rows, resolve_examples
+from prefixcache.spec.task import parse_task
 
 from conftest import LABELS, POOL_YAML, TASK_YAML, TEXTS, save_tiny_model, tiny_loaded
 
@@ -434,7 +434,7 @@ def test_cli_eval_usage_errors_exit_2(model_dir, files, extra, words):
 
 
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
-    from prefixcache import eval_report
+    from prefixcache.eval import report as eval_report
     from prefixcache.errors import PrefixCacheError
 
     monkeypatch.setattr(eval_report.importlib.util, "find_spec", lambda name: None)
@@ -452,8 +452,8 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
 def test_docs_pool_tasks_keep_the_bundled_prompt_and_never_leak(task_file, data_file, label_count):
     from pathlib import Path
 
-    from prefixcache.data import bundled_dataset, read_records
-    from prefixcache.task import load_task
+    from prefixcache.io.records import bundled_dataset, read_records
+    from prefixcache.spec.task import load_task
 
     pooled = load_task(Path(__file__).parents[1] / "docs" / "tasks" / task_file)
     bundled = load_task(task_file.removesuffix("-pool.yaml"))

@@ -13,14 +13,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from prefixcache.bench import BenchOptions
-from prefixcache.cli import app
+from prefixcache.bench.lanes import BenchOptions
+from prefixcache.cli.main import app
 from prefixcache.errors import TaskError
-from prefixcache.extract import Extractor, compare_extractions, parse_fields, run_extract_bench, verify_extract
-from prefixcache.generate import GenerationConfig, generate_rows
-from prefixcache.pool import PrefixPool
-from prefixcache.runner import Classifier, Record, RunConfig, records_from_texts
-from prefixcache.task import ExtractTask, bundled_task_names, load_any_task, load_task, parse_task
+from prefixcache.run.extract import Extractor, compare_extractions, parse_fields, run_extract_bench, verify_extract
+from prefixcache.engine.generate import GenerationConfig, generate_rows
+from prefixcache.cache.pool import PrefixPool
+from prefixcache.run.classify import Classifier, Record, RunConfig, records_from_texts
+from prefixcache.spec.task import ExtractTask, bundled_task_names, load_any_task, load_task, parse_task
 
 from conftest import EXTRACT_YAML, TEXTS, save_tiny_model
 

@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-from prefixcache import engine
-from prefixcache.runner import Classifier, Record, RunConfig, RunStats, records_from_texts
-from prefixcache.verify import compare
+from prefixcache.engine import forward as engine
+from prefixcache.run.classify import Classifier, Record, RunConfig, RunStats, records_from_texts
+from prefixcache.eval.verify import compare
 
 from conftest import assert_cached_path_ran
 

@@ -13,10 +13,10 @@ import os
 
 import pytest
 
-from prefixcache import resume
+from prefixcache.io import journal as resume
 from prefixcache.errors import InputError
-from prefixcache.runner import Prediction, Record
-from prefixcache.scoring import LabelScores
+from prefixcache.run.classify import Prediction, Record
+from prefixcache.engine.scoring import LabelScores
 
 SCORES = LabelScores(("a", "b"), (-0.1, -2.4))
 

@@ -14,8 +14,8 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
-from prefixcache.runner import Prediction
-from prefixcache.scoring import LabelScores
+from prefixcache.run.classify import Prediction
+from prefixcache.engine.scoring import LabelScores
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "loadtest.py"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from prefixcache.errors import ModelNotFoundError
-from prefixcache.models import local_source, resolve_dtype
+from prefixcache.model.load import local_source, resolve_dtype
 
 
 def test_unknown_bare_name():

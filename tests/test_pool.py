@@ -15,14 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from prefixcache.cli import app
+from prefixcache.cli.main import app
 from prefixcache.errors import CacheStoreError, PoolBudgetError
-from prefixcache.kv import KVShape, PrefixKV
-from prefixcache.pool import POLICIES, LFUPolicy, LRUPolicy, PoolConfig, PrefixKey, PrefixPool, parse_bytes
-from prefixcache.quant import STORAGES, Int8Storage, storage_agreement
-from prefixcache.runner import Classifier, RunConfig, records_from_texts
-from prefixcache.store import DiskStore
-from prefixcache.verify import compare
+from prefixcache.cache.kv import KVShape, PrefixKV
+from prefixcache.cache.pool import POLICIES, LFUPolicy, LRUPolicy, PoolConfig, PrefixKey, PrefixPool, parse_bytes
+from prefixcache.cache.layouts import STORAGES, Int8Storage, storage_agreement
+from prefixcache.run.classify import Classifier, RunConfig, records_from_texts
+from prefixcache.cache.disk import DiskStore
+from prefixcache.eval.verify import compare
 
 from conftest import TASK_YAML, TEXTS, tiny_loaded, save_tiny_model
 
@@ -49,7 +49,7 @@ def held(pool, loaded, firsts) -> list[bool]:
 
 def test_policies_registry_feeds_the_cli():
     assert set(POLICIES) == {"lru", "lfu"} and set(STORAGES) == {"float", "int8"}
-    from prefixcache import cli
+    from prefixcache.cli import main as cli
 
     assert set(POLICIES) <= set(cli.EvictionOpt.help.replace(",", " ").replace(".", " ").split())
 
@@ -256,7 +256,7 @@ def test_corrupt_file_is_detected_and_recomputed(tiny_llama, task, tmp_path, cap
     (path,) = tmp_path.glob("*.safetensors")
     damage(path)
     again = Classifier(tiny_llama, task, pool=PrefixPool(store=DiskStore(tmp_path)))
-    with caplog.at_level(logging.WARNING, logger="prefixcache.pool"):
+    with caplog.at_level(logging.WARNING, logger="prefixcache.cache.pool"):
         recomputed = again.classify_all(records, RunConfig("batched", 4))
     assert again.last_lookup.source == "computed", "a damaged file must never be used"
     assert again.pool.stats().disk_rejected == 1
@@ -269,9 +269,9 @@ def test_corrupt_file_is_detected_and_recomputed(tiny_llama, task, tmp_path, cap
 
 def test_mismatched_manifest_is_not_used(tiny_llama, task, tmp_path, caplog, monkeypatch):
     Classifier(tiny_llama, task, pool=PrefixPool(store=DiskStore(tmp_path))).prefix
-    monkeypatch.setattr("prefixcache.store.transformers_version", lambda: "99.0.0")
+    monkeypatch.setattr("prefixcache.cache.disk.transformers_version", lambda: "99.0.0")
     again = Classifier(tiny_llama, task, pool=PrefixPool(store=DiskStore(tmp_path)))
-    with caplog.at_level(logging.WARNING, logger="prefixcache.pool"):
+    with caplog.at_level(logging.WARNING, logger="prefixcache.cache.pool"):
         _ = again.prefix
     assert again.last_lookup.source == "computed"
     assert "mismatched (transformers" in caplog.text

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from prefixcache.errors import LabelCollisionError, PromptError
-from prefixcache.prompt import build_prompt, token_encoder
-from prefixcache.runner import Classifier, Record, RunConfig, RunStats, records_from_texts
-from prefixcache.task import parse_task
-from prefixcache.verify import compare
+from prefixcache.spec.prompt import build_prompt, token_encoder
+from prefixcache.run.classify import Classifier, Record, RunConfig, RunStats, records_from_texts
+from prefixcache.spec.task import parse_task
+from prefixcache.eval.verify import compare
 
 from conftest import TASK_YAML, assert_cached_path_ran
 

@@ -1,7 +1,7 @@
 """Example selection reaches the prompt: task -> resolved examples -> rendered prompt, the same on every path.
 
 A task with an ``example_pool`` and ``select`` must render exactly the examples
-:func:`prefixcache.selection.resolve_examples` picks, the same every time (the
+:func:`prefixcache.spec.selection.resolve_examples` picks, the same every time (the
 prefix tokens key the prefix cache), whether the prompt is built for classify
 (``Classifier``, which verify, bench, serve and ray also use) or for eval; and
 the eval leak check must test those resolved examples.
@@ -17,11 +17,11 @@ import sys
 import pytest
 
 from prefixcache.errors import InputError
-from prefixcache.evaluate import check_no_overlap, evaluate, labelled_records, plan_eval
-from prefixcache.prompt import build_prompt, render_messages
-from prefixcache.runner import Classifier, Record
-from prefixcache.selection import resolve_examples
-from prefixcache.task import parse_task
+from prefixcache.eval.evaluate import check_no_overlap, evaluate, labelled_records, plan_eval
+from prefixcache.spec.prompt import build_prompt, render_messages
+from prefixcache.run.classify import Classifier, Record
+from prefixcache.spec.selection import resolve_examples
+from prefixcache.spec.task import parse_task
 
 from conftest import LABELS, POOL_YAML, TASK_YAML
 
@@ -79,8 +79,8 @@ def test_selection_is_the_same_in_a_fresh_process(selected):
     """No hash-seeded ordering: another interpreter (other PYTHONHASHSEED) renders the same messages."""
     code = (
         "import json, sys\n"
-        "from prefixcache.prompt import render_messages\n"
-        "from prefixcache.task import parse_task\n"
+        "from prefixcache.spec.prompt import render_messages\n"
+        "from prefixcache.spec.task import parse_task\n"
         "print(json.dumps(render_messages(parse_task(sys.stdin.read(), 'select.yaml'))))\n"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "OMP_NUM_THREADS": "1"}

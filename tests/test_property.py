@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixcache.runner import Classifier, RunConfig, RunStats, records_from_texts
-from prefixcache.task import Task
-from prefixcache.verify import compare
+from prefixcache.run.classify import Classifier, RunConfig, RunStats, records_from_texts
+from prefixcache.spec.task import Task
+from prefixcache.eval.verify import compare
 
 from conftest import assert_cached_path_ran
 

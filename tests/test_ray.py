@@ -18,12 +18,12 @@ import os
 
 import pytest
 
-from prefixcache import data
+from prefixcache.io import records as data
 from prefixcache.errors import InputError, ModelNotFoundError, ResourceError
-from prefixcache.models import load_model
-from prefixcache.runner import Classifier, Prediction, Record, RunConfig
-from prefixcache.task import load_task
-from prefixcache.tickets import generate_tickets
+from prefixcache.model.load import load_model
+from prefixcache.run.classify import Classifier, Prediction, Record, RunConfig
+from prefixcache.spec.task import load_task
+from prefixcache.datasets.tickets import generate_tickets
 
 from conftest import TASK_YAML, save_tiny_model
 

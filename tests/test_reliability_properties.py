@@ -18,14 +18,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixcache.engine import score_rows
-from prefixcache.kv import PrefixKV
-from prefixcache.models import LoadedModel, build_random_model
-from prefixcache.prompt import build_prompt
-from prefixcache.runner import Classifier, RunConfig, records_from_texts
-from prefixcache.scoring import LabelHead
-from prefixcache.task import parse_task
-from prefixcache.verify import compare
+from prefixcache.engine.forward import score_rows
+from prefixcache.cache.kv import PrefixKV
+from prefixcache.model.load import LoadedModel, build_random_model
+from prefixcache.spec.prompt import build_prompt
+from prefixcache.run.classify import Classifier, RunConfig, records_from_texts
+from prefixcache.engine.scoring import LabelHead
+from prefixcache.spec.task import parse_task
+from prefixcache.eval.verify import compare
 
 from conftest import TASK_YAML, make_tokenizer, tiny_config
 

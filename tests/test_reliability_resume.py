@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from prefixcache import resume
-from prefixcache.cli import app
+from prefixcache.io import journal as resume
+from prefixcache.cli.main import app
 from prefixcache.errors import InputError
-from prefixcache.runner import LabelScores, Prediction, Record
+from prefixcache.run.classify import LabelScores, Prediction, Record
 
 from conftest import TASK_YAML, TEXTS, save_tiny_model
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from prefixcache.errors import TaskError
-from prefixcache.task import Task, parse_task
+from prefixcache.spec.task import Task, parse_task
 
 from conftest import TASK_YAML
 

@@ -1,4 +1,4 @@
-"""Restarting tokenization after the prefix's last added token (prefixcache.restart) is exact.
+"""Restarting tokenization after the prefix's last added token (prefixcache.spec.restart) is exact.
 
 Invariant 3 rests on each record's tokens being exactly ``tokenize(prefix_text + suffix)``; the
 restart skips re-tokenizing the prefix, so it must give those very ids for any suffix, and must
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixcache.prompt import build_prompt
-from prefixcache.restart import Restart, tokenize_prompts
+from prefixcache.spec.prompt import build_prompt
+from prefixcache.spec.restart import Restart, tokenize_prompts
 
 # Record text that probes the cut: ordinary text, whitespace, non-ASCII, and pieces of ChatML markup.
 MARKUP = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_", "im_end|>", "|>", "<", "user", "assistant", "\n", " ", "  ", "\t"]
@@ -90,13 +90,13 @@ def test_a_word_boundary_token_disables_restarts(tokenizer, prompt):
 @pytest.mark.parametrize("name", ["support-tickets", "natcs-intents", "tickets-compact", "ticket-fields"])
 def test_bundled_tasks_restart_exactly_on_the_embedded_tokenizer(name):
 
-    from prefixcache.models import load_model_tokenizer
-    from prefixcache.task import load_any_task
+    from prefixcache.model.load import load_model_tokenizer
+    from prefixcache.spec.task import load_any_task
 
     tokenizer = load_model_tokenizer("smollm2-135m")
     task = load_any_task(name)
     if name == "ticket-fields":
-        from prefixcache.extract import build_extract_prompt
+        from prefixcache.run.extract import build_extract_prompt
 
         prompt = build_extract_prompt(task, tokenizer)
     else:
@@ -118,7 +118,7 @@ def nfc():
     from tokenizers import normalizers
 
     from conftest import TASK_YAML, make_tokenizer
-    from prefixcache.task import parse_task
+    from prefixcache.spec.task import parse_task
 
     tokenizer = make_tokenizer()
     tokenizer.backend_tokenizer.normalizer = normalizers.NFC()

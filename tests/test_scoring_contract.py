@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from prefixcache.scoring import LabelHead, LabelScores
+from prefixcache.engine.scoring import LabelHead, LabelScores
 
 VOCAB, HIDDEN = 11, 6
 LABEL_IDS = {"billing": (7, 2), "outage": (3,), "other": (9, 4, 1)}

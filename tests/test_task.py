@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prefixcache.errors import TaskError
-from prefixcache.task import bundled_task_names, load_task, parse_task
+from prefixcache.spec.task import bundled_task_names, load_task, parse_task
 
 from conftest import TASK_YAML
 

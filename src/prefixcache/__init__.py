@@ -9,9 +9,9 @@ The library surface::
 """
 
 from .errors import PrefixCacheError
-from .models import load_model
-from .runner import Classifier, Prediction, Record, RunConfig
-from .task import Task, load_task
+from .model.load import load_model
+from .run.classify import Classifier, Prediction, Record, RunConfig
+from .spec.task import Task, load_task
 
 __all__ = ["Classifier", "Prediction", "PrefixCacheError", "Record", "RunConfig", "Task", "load_model", "load_task"]
 __version__ = "0.1.0"

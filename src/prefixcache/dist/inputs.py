@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path, PurePosixPath
 
 from ..errors import InputError
-from ..models import EMBEDDED
+from ..model.load import EMBEDDED
 
 FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 

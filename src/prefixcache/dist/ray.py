@@ -13,7 +13,7 @@ Two entry points:
 
 Guarantees:
 
-* **Same answers.** Each record goes through the same :class:`~prefixcache.runner.Classifier`
+* **Same answers.** Each record goes through the same :class:`~prefixcache.run.classify.Classifier`
   as a local run, so labels equal the local run's record for record (scores can differ in
   the last float bits only where batches are composed differently).
 * **Nothing lost, nothing twice.** A worker process that dies is restarted by Ray
@@ -46,9 +46,9 @@ import ray
 import ray.data
 
 from ..errors import InputError, PrefixCacheError, ResourceError
-from ..models import DEFAULT_MODEL, load_model, local_source
-from ..runner import Classifier, RunConfig
-from ..task import Task, load_task
+from ..model.load import DEFAULT_MODEL, load_model, local_source
+from ..run.classify import Classifier, RunConfig
+from ..spec.task import Task, load_task
 from .inputs import absolute, block_bytes, input_format
 from .rows import ROW, Finisher, prediction_line, record_of
 from .session import data_context, domain_error, ray_session
@@ -92,16 +92,16 @@ class WorkerSpec:
 
 
 def prefix_pool(cache_dir: str | None):
-    """The disk-tier hook: a :class:`~prefixcache.pool.PrefixPool` over a
-    :class:`~prefixcache.store.DiskStore` in ``cache_dir``, or None (no disk tier).
+    """The disk-tier hook: a :class:`~prefixcache.cache.pool.PrefixPool` over a
+    :class:`~prefixcache.cache.disk.DiskStore` in ``cache_dir``, or None (no disk tier).
 
     Raises:
         CacheStoreError: ``cache_dir`` cannot be used as a folder.
     """
     if cache_dir is None:
         return None
-    from ..pool import PoolConfig, PrefixPool
-    from ..store import DiskStore
+    from ..cache.pool import PoolConfig, PrefixPool
+    from ..cache.disk import DiskStore
 
     return PrefixPool(PoolConfig(), store=DiskStore(cache_dir))
 

@@ -4,7 +4,7 @@ Ray Data has no global row number: a worker sees a batch of rows, not where
 they sit in the input. So the work is split in two:
 
 * on a worker, :func:`record_of` turns one input row into a
-  :class:`~prefixcache.runner.Record` whose id is the row's ``id_field`` value,
+  :class:`~prefixcache.run.classify.Record` whose id is the row's ``id_field`` value,
   or the placeholder :data:`ROW` when ids are row numbers; error messages name
   the record by that placeholder, never by a guessed position;
 * on the driver, which receives the predictions in input order, :class:`Finisher`
@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..runner import Prediction, Record
+from ..run.classify import Prediction, Record
 
 
 
@@ -44,7 +44,7 @@ _NULL_ID = '{"id": null'  # how every worker line without an id starts (to_json 
 
 
 def record_of(row: Mapping[str, object], text_field: str, id_field: str | None) -> Record:
-    """The Record of one input row, mapped as :func:`prefixcache.data.records_from_rows` maps it.
+    """The Record of one input row, mapped as :func:`prefixcache.io.records.records_from_rows` maps it.
 
     ``text_field`` becomes the Record's ``text``; a null or absent text leaves it out, so the
     runner reports the record on its own line. Ids come from ``id_field``; without one the id is
@@ -67,7 +67,7 @@ def record_of(row: Mapping[str, object], text_field: str, id_field: str | None) 
 
 
 def prediction_line(prediction: Prediction) -> str:
-    """The JSON line the local writer (:func:`prefixcache.data.write_jsonl`) writes, without its newline.
+    """The JSON line the local writer (:func:`prefixcache.io.records.write_jsonl`) writes, without its newline.
 
     A placeholder id (:data:`ROW`) is written as null; the driver fills it in.
     """

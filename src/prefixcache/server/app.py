@@ -28,8 +28,8 @@ from fastapi import FastAPI, Path, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from ..errors import InputError, PoolBudgetError, PrefixCacheError, PromptError, TaskError
-from ..models import LoadedModel
-from ..task import ExtractTask, Task, parse_task
+from ..model.load import LoadedModel
+from ..spec.task import ExtractTask, Task, parse_task
 from .errors import QueueFullError, ServerError, TaskUploadError
 from .metrics import Metrics
 from .middleware import PUBLIC_PATHS, BearerAuth, BodyLimit, RequestMetrics

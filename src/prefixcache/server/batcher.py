@@ -47,7 +47,7 @@ from typing import Iterator, Sequence
 
 from .errors import QueueFullError, ShuttingDownError
 from .metrics import Metrics
-from ..bound import WorkItem
+from ..run.loop import WorkItem
 from .runners import TaskRunner
 from .settings import ServerSettings
 

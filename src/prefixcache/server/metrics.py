@@ -79,7 +79,7 @@ class Metrics:
         self._with_prefix: set[str] = set()  # tasks whose prefix gauges are set
 
     def watch_pool(self, pool) -> None:
-        """Expose ``pool``'s counters (a :class:`~prefixcache.pool.PrefixPool`), read at every scrape.
+        """Expose ``pool``'s counters (a :class:`~prefixcache.cache.pool.PrefixPool`), read at every scrape.
 
         A scrape takes the pool's lock, so it waits while a prefix is being built: serve
         ``exposition`` from a worker thread, not from the event loop.

@@ -17,8 +17,8 @@ from typing import Sequence
 
 import uvicorn
 
-from ..models import LoadedModel
-from ..task import Task
+from ..model.load import LoadedModel
+from ..spec.task import Task
 from .app import create_app
 from .settings import ServerSettings
 

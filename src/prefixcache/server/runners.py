@@ -3,14 +3,14 @@
 A runner binds one task to one model. It has two halves, run on two threads:
 
 * :meth:`TaskRunner.prepare` (the *prep* thread): turn request items into
-  :class:`~prefixcache.bound.WorkItem` token rows with the engine's own
-  :meth:`~prefixcache.bound.BoundTask.prepare` (rendering, the prefix boundary
+  :class:`~prefixcache.run.loop.WorkItem` token rows with the engine's own
+  :meth:`~prefixcache.run.loop.BoundTask.prepare` (rendering, the prefix boundary
   check and, for classification, the context check), then check the server's
   limits, naming the item that breaks one. It tokenizes with the prep thread's
   own tokenizer copy, never the model thread's.
 * :meth:`TaskRunner.run` (the *model* thread): one forward pass for a batch of
   prepared items, possibly from many requests, through
-  :meth:`~prefixcache.bound.BoundTask.run_prepared`; results in the batch's order.
+  :meth:`~prefixcache.run.loop.BoundTask.run_prepared`; results in the batch's order.
 
 So a server result is exactly what the library returns for that record in
 ``batched`` mode: the same preparation and the same engine call.
@@ -20,7 +20,7 @@ Runners are chosen by the task's ``kind`` through :data:`RUNNER_KINDS`:
 (:class:`ExtractRunner`, batched greedy generation). Both go through the same
 batcher, limits and metrics.
 
-Prefixes come from the service's :class:`~prefixcache.pool.PrefixPool`: a runner
+Prefixes come from the service's :class:`~prefixcache.cache.pool.PrefixPool`: a runner
 looks its prefix up once on construction (building it, or finding it held) and
 once per pass, and never keeps it in between, so the pool's byte budget and
 evictions govern prefix memory. Without a pool (``pool=None``) a runner builds
@@ -33,12 +33,12 @@ from __future__ import annotations
 
 from typing import Callable, ClassVar, Protocol, Sequence
 
-from ..bound import BoundTask, WorkItem
-from ..extract import Extractor
-from ..models import LoadedModel
-from ..pool import PrefixKey, PrefixPool
-from ..runner import Classifier, Record, RunConfig
-from ..task import ExtractTask, Task
+from ..run.loop import BoundTask, WorkItem
+from ..run.extract import Extractor
+from ..model.load import LoadedModel
+from ..cache.pool import PrefixKey, PrefixPool
+from ..run.classify import Classifier, Record, RunConfig
+from ..spec.task import ExtractTask, Task
 from .errors import ItemError, TaskUploadError
 from .settings import ServerSettings
 
@@ -70,7 +70,7 @@ class TaskRunner(Protocol):
 
 
 class _BoundRunner:
-    """What both runner kinds share: a :class:`~prefixcache.bound.BoundTask` (a Classifier or an
+    """What both runner kinds share: a :class:`~prefixcache.run.loop.BoundTask` (a Classifier or an
     Extractor) whose prefix is built (or found in the pool) on construction, and the two halves,
     ``prepare`` and ``run``, that go through it.
 
@@ -102,8 +102,8 @@ class _BoundRunner:
 
 
 class ClassifyRunner(_BoundRunner):
-    """A classification task on a model, over :class:`~prefixcache.runner.Classifier`: a pass is one
-    :func:`~prefixcache.engine.score_rows` call."""
+    """A classification task on a model, over :class:`~prefixcache.run.classify.Classifier`: a pass is one
+    :func:`~prefixcache.engine.forward.score_rows` call."""
 
     kind: ClassVar[str] = "classify"
 
@@ -126,8 +126,8 @@ class ClassifyRunner(_BoundRunner):
 
 
 class ExtractRunner(_BoundRunner):
-    """An extraction task (``kind: extract``) on a model, over :class:`~prefixcache.extract.Extractor`:
-    a pass is one :func:`~prefixcache.generate.generate_rows` call (greedy, the whole batch at once)."""
+    """An extraction task (``kind: extract``) on a model, over :class:`~prefixcache.run.extract.Extractor`:
+    a pass is one :func:`~prefixcache.engine.generate.generate_rows` call (greedy, the whole batch at once)."""
 
     kind: ClassVar[str] = "extract"
 

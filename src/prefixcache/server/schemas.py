@@ -12,7 +12,7 @@ from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from ..runner import Record
+from ..run.classify import Record
 
 Scalar = Union[str, int, float]
 
@@ -89,7 +89,7 @@ class ClassifyResponse(BaseModel):
 
 
 class ExtractResult(BaseModel):
-    """One item's extraction (:meth:`prefixcache.extract.Extraction.to_json`)."""
+    """One item's extraction (:meth:`prefixcache.run.extract.Extraction.to_json`)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -9,7 +9,7 @@ Threads (per model):
 
 The event loop only routes: it never tokenizes and never runs the model.
 
-Every task's prefix lives in one :class:`~prefixcache.pool.PrefixPool` (byte
+Every task's prefix lives in one :class:`~prefixcache.cache.pool.PrefixPool` (byte
 budget ``settings.cache_budget_bytes``, LRU eviction). Runners look their prefix
 up once per pass, on the model thread, so an evicted prefix is rebuilt when its
 task is next used; tasks with the same prefix tokens share one entry.
@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import PoolBudgetError
-from ..models import LoadedModel
-from ..pool import PoolConfig, PrefixPool
-from ..runner import Record
-from ..task import ExtractTask, Task
+from ..model.load import LoadedModel
+from ..cache.pool import PoolConfig, PrefixPool
+from ..run.classify import Record
+from ..spec.task import ExtractTask, Task
 from .batcher import MicroBatcher
 from .errors import RequestLimitError, TaskUploadError, UnknownTaskError, WrongTaskKindError
 from .metrics import Metrics

@@ -35,7 +35,7 @@ class ServerSettings:
         max_prefix_tokens: largest prefix an uploaded task may have (422 above it); start-up tasks are not limited.
         cache_budget_bytes: byte budget of the prefix pool that holds every task's prefix (least recently
             used prefixes are evicted, and rebuilt on their next use, to stay within it; the default is
-            ``prefixcache.pool.PoolConfig``'s, 256 MiB).
+            ``prefixcache.cache.pool.PoolConfig``'s, 256 MiB).
         method: label scoring method for every task (``auto``, ``first-token``, ``full``).
         api_key: when set, every endpoint but ``/healthz`` and the static page needs
             ``Authorization: Bearer <api_key>``. Never printed (``repr=False``).

@@ -1,0 +1,97 @@
+"""Peers: other engines run side by side in ``prefixcache bench``.
+
+Only llama.cpp for now (``pip install 'prefixcache[bench]'``): the same
+``.gguf``, the same threads, the same prompt tokens, and its own prefix reuse
+(the KV cache is evaluated once for the prefix and truncated back to it before
+each record, which is how llama.cpp reuses a shared prompt prefix).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .lanes import Lane
+from ..model.load import EMBEDDED, embedded_gguf
+from ..run.classify import Classifier, Prediction, Record, RunStats
+from ..engine.scoring import LabelScores
+
+
+_PROBE = """
+import sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, n_threads=int(sys.argv[2]), verbose=False)
+llm.eval(llm.tokenize(b"Hello there, how are you today?", add_bos=False))
+"""
+
+
+def _probe(gguf: Path, threads: int) -> str | None:
+    """Run a multi-token decode in a child process; a build that crashes on this CPU must not take the bench down."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, str(gguf), str(threads)], capture_output=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "a 7-token probe decode did not finish in 120 s"
+    if done.returncode != 0:
+        return (
+            f"its decode crashed in a probe on this CPU (exit {done.returncode}); rebuild it from source for this CPU, "
+            "e.g. with AMX off: see docs/benchmarks.md, 'llama.cpp on AMX CPUs'"
+        )
+    return None
+
+
+def llama_cpp_lane(model_spec: str, classifier: Classifier, threads: int, log: Callable[[str], None]) -> Lane | None:
+    """A lane scoring first-token labels with llama-cpp-python, or None (with a one-line reason)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        log("llama.cpp: skipped (not installed; pip install 'prefixcache[bench]')")
+        return None
+    if model_spec in EMBEDDED:
+        gguf = embedded_gguf(model_spec)
+    elif model_spec.endswith(".gguf"):
+        gguf = Path(model_spec)
+    else:
+        log("llama.cpp: skipped (it needs a .gguf model)")
+        return None
+    problem = _probe(gguf, threads)
+    if problem:
+        log(f"llama.cpp: skipped ({problem})")
+        return None
+    prompt = classifier.prompt
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+    vocab = llm.n_vocab()
+    first = prompt.first_token_ids()
+    labels = tuple(prompt.label_ids)
+    prefix = list(prompt.prefix_ids)
+
+    def warm() -> None:
+        llm.reset()
+        llm.eval(prefix)  # the shared prefix, once, like our prefix build
+
+    def run(records: list[Record]) -> tuple[list[Prediction], RunStats]:
+        stats = RunStats()
+        texts = [prompt.suffix_text(r.fields, r.id) for r in records]
+        predictions = []
+        for record, encoded in zip(records, prompt.encode(classifier.loaded.tokenizer, texts)):
+            if encoded.suffix_ids is None:  # crosses the boundary: re-encode in full, like our runner
+                llm.reset()
+                rows = list(encoded.full_ids)
+            else:
+                llm.n_tokens = len(prefix)  # reuse the prefix; eval() drops everything after it
+                rows = list(encoded.suffix_ids)
+            llm.eval(rows)
+            logits = torch.from_numpy(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,)).copy()).double()  # [V], last token
+            logprobs = torch.log_softmax(logits[first], dim=-1)
+            predictions.append(Prediction(record.id, LabelScores(labels, tuple(float(x) for x in logprobs))))
+            stats.tokens_computed += len(rows)
+            if encoded.suffix_ids is None:
+                llm.reset()
+                llm.eval(prefix)
+        return predictions, stats
+
+    return Lane("llama.cpp", "gguf", 1, run, warm=warm)

@@ -1,0 +1,217 @@
+"""Attention over a shared prefix without copying it per row.
+
+A fork of a :class:`~prefixcache.cache.kv.PrefixKV` hands each attention layer a
+:class:`SharedKV` instead of a key (or value) tensor: the prefix's tensor,
+``[1, kv_heads, P, head_dim]``, shared by every row, plus the batch's own
+tensor, ``[B, kv_heads, S, head_dim]``. :func:`shared_prefix_attention`, the
+model's attention implementation (registered as ``"prefixcache"``), then
+attends in two parts and merges them exactly:
+
+* prefix part: every query of every row (and every head of a kv group) is
+  folded into one long query sequence against the single prefix copy, so the
+  prefix is read once per layer, never expanded to ``B x P``;
+* own part: each row against its own tokens, under the causal/padding mask,
+  with the heads of a kv group folded into one query sequence (no per-head
+  copies of the keys);
+* merge: ``softmax`` over the concatenated keys equals the two partial
+  softmaxes weighted by their log-sum-exps (a sigmoid of their difference).
+
+Rows may also come *packed* (:class:`Packing`): laid end to end as one
+sequence with no padding, so that the model's linear layers never compute
+pads; only the small own part is unpacked to padded rows.
+
+Every row attends to the whole prefix (the contract of a fork); the mask the
+model builds is consulted only for the own tokens of padded rows. Ordinary key tensors (a
+``DynamicCache`` building a prefix, or no cache) go to transformers' SDPA path
+unchanged. A :class:`SharedKV` reaching any other attention implementation
+fails loudly instead of silently dropping the prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "prefixcache"
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Rows of unequal length laid end to end as one sequence of ``N`` tokens (no padding).
+
+    Linear layers, norms and the MLP then do no work on pads; only the rows' own attention
+    is done padded (:meth:`unpack`, then :meth:`pack` back), and it is small.
+    """
+
+    lengths: tuple[int, ...]
+    slots: torch.Tensor  # [N]: each packed token's place in the right-padded [B * T] layout
+    offsets: torch.Tensor  # [N]: each packed token's position within its row
+    last: torch.Tensor  # [B]: each row's last token in the packed sequence
+    causal: torch.Tensor  # [1, 1, T, T]: the own-token mask of every unpacked row (pads follow real tokens)
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], device) -> Packing:
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"packed rows need at least one token each, got lengths {list(lengths)}")
+        width = max(lengths)
+        offsets = torch.cat([torch.arange(n, device=device) for n in lengths])  # [N]
+        row = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+        ends = torch.tensor(lengths, device=device).cumsum(0) - 1
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None, None]
+        return cls(tuple(lengths), row * width + offsets, offsets, ends, causal)
+
+    @property
+    def width(self) -> int:
+        return max(self.lengths)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """``[1, h, N, ...]`` -> right-padded ``[B, h, T, ...]`` (pads are zeros)."""
+        tokens = x[0].transpose(0, 1)  # [N, h, ...]
+        padded = tokens.new_zeros((len(self.lengths) * self.width, *tokens.shape[1:]))
+        padded.index_copy_(0, self.slots, tokens)
+        return padded.view(len(self.lengths), self.width, *tokens.shape[1:]).transpose(1, 2)
+
+    def pack(self, y: torch.Tensor) -> torch.Tensor:
+        """Right-padded ``[B, h, T, ...]`` -> ``[1, h, N, ...]`` (pads dropped)."""
+        tokens = y.transpose(1, 2).reshape(len(self.lengths) * self.width, *y.shape[1:2], *y.shape[3:])
+        return tokens.index_select(0, self.slots).transpose(0, 1)[None]
+
+
+@dataclass(frozen=True)
+class SharedKV:
+    """Keys (or values) of one layer for a batch: the shared prefix and the rows' own tokens.
+
+    With ``packing``, ``own`` is ``[1, kv_heads, N, head_dim]``: the rows laid end to end.
+    """
+
+    prefix: torch.Tensor  # [1, kv_heads, P, head_dim], read-only
+    own: torch.Tensor  # [B, kv_heads, S, head_dim]
+    packing: Packing | None = None
+
+
+def use_shared_prefix_attention(model: torch.nn.Module) -> None:
+    """Make ``model`` attend through :func:`shared_prefix_attention` (idempotent, cheap)."""
+    if model.config._attn_implementation != NAME:
+        model.set_attn_implementation(NAME)
+
+
+def shared_prefix_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor | SharedKV,
+    value: torch.Tensor | SharedKV,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function. Returns ``([B, T, heads, head_dim], None)``.
+
+    Args:
+        query: ``[B, heads, T, head_dim]``.
+        key, value: a :class:`SharedKV`, or plain ``[B, kv_heads, K, head_dim]`` tensors (SDPA path).
+        attention_mask: boolean ``[B, 1, T, P + S]`` (True = attend) or None (causal); not read for
+            packed rows, whose own part is causal per row by construction.
+    """
+    if not isinstance(key, SharedKV):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    unsupported = sorted(k for k in ("softcap", "s_aux", "sliding_window") if kwargs.get(k) is not None)
+    if unsupported:
+        raise NotImplementedError(f"prefix sharing does not support attention with {', '.join(unsupported)}")
+    batch, heads, width, head_dim = query.shape
+    prefix_len, own_len = key.prefix.shape[-2], key.own.shape[-2]
+    groups = heads // key.own.shape[1]
+    scale = head_dim**-0.5 if scaling is None else scaling
+
+    kv_heads = key.own.shape[1]
+    if key.packing is not None:
+        out, lse = _own_packed(query, key.own, value.own, key.packing, scale)  # [1, H, N, d], [1, H, N]
+    else:
+        own_mask = _own_mask(attention_mask, prefix_len, width, own_len, query.device)  # [B|1, 1, T, S]
+        out, lse = _own_grouped(query, key.own, value.own, own_mask, scale)  # [B, H, T, d], [B, H, T]
+    if prefix_len:
+        folded = query.view(batch, kv_heads, groups, width, head_dim).transpose(0, 1)  # [kv, B, g, T, d]
+        folded = folded.reshape(1, kv_heads, batch * groups * width, head_dim)  # [1, kv, B*g*T, d]
+        out_p, lse_p = _attend(folded, key.prefix, value.prefix, None, scale)
+        out_p = out_p.view(kv_heads, batch, groups, width, head_dim).transpose(0, 1).reshape(query.shape)
+        lse_p = lse_p.view(kv_heads, batch, groups, width).transpose(0, 1).reshape(batch, heads, width)
+        out = _merge(out, lse, out_p, lse_p)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _own_grouped(query, keys, values, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row against its own keys ``[B, kv, S, d]`` under ``mask`` ``[B|1, 1, T, S]``; the heads of a kv
+    group are folded into one query sequence, so keys are never copied per head.
+    Returns ``([B, H, T, d], lse [B, H, T])``."""
+    batch, heads, width, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    grouped = query.reshape(batch, kv_heads, groups * width, head_dim)  # [B, kv, g*T, d]
+    out, lse = _attend(grouped, keys, values, mask.repeat(1, 1, groups, 1), scale)
+    return out.view(query.shape), lse.reshape(batch, heads, width)
+
+
+def _own_packed(query, keys, values, packing: Packing, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed rows ``[1, H, N, d]`` each against its own tokens ``[1, kv, N, d]``: unpacked to right-padded
+    rows, where a causal mask alone keeps every real query off the pads (they follow its row's last
+    token), then packed back. Returns ``([1, H, N, d], lse [1, H, N])``."""
+    out, lse = _own_grouped(packing.unpack(query), packing.unpack(keys), packing.unpack(values), packing.causal, scale)
+    return packing.pack(out), packing.pack(lse[..., None])[..., 0]
+
+
+def _own_mask(mask: torch.Tensor | None, prefix_len: int, width: int, own_len: int, device) -> torch.Tensor:
+    """The own-token columns of the model's mask, or a causal mask aligned to the last query. ``[B|1, 1, T, S]``."""
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise TypeError("prefixcache attention expects a boolean mask (sdpa format)")
+        return mask[..., prefix_len:]
+    query_pos = torch.arange(own_len - width, own_len, device=device)[:, None]  # [T, 1]
+    return (torch.arange(own_len, device=device)[None, :] <= query_pos)[None, None]
+
+
+def _attend(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention returning ``(out [.., L, d], lse [.., L] float32)``; rows with no visible key get lse -inf."""
+    if q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return _attend_cpu_flash(q, k, v, mask, scale)
+    return _attend_eager(q, k, v, mask, scale)
+
+
+def _attend_cpu_flash(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's fused CPU kernel, which also returns the log-sum-exp (it needs an additive mask in q's dtype)."""
+    additive = None
+    if mask is not None:
+        additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=additive, scale=scale)
+    if mask is not None:  # the kernel reports lse 0 for a row with no visible key
+        lse = lse.masked_fill(~mask.any(-1).expand(lse.shape), float("-inf"))
+    return out, lse
+
+
+def _attend_eager(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain matmul/softmax attention for other devices (materializes ``[.., L, K]`` scores in float32)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [.., L, K]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [.., L]
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    return torch.matmul(probs.to(v.dtype), v), lse
+
+
+def _merge(out_own, lse_own, out_prefix, lse_prefix) -> torch.Tensor:
+    """Combine two partial softmax attentions over disjoint key sets. ``[B, H, T, d]`` in the query dtype.
+
+    With both parts normalized, the whole is ``out_own + (out_prefix - out_own) * w`` where
+    ``w = exp(lse_prefix) / (exp(lse_prefix) + exp(lse_own)) = sigmoid(lse_prefix - lse_own)``:
+    one fused ``lerp``, no float32 temporaries of the output's size.
+    """
+    weight = torch.sigmoid(lse_prefix - lse_own).to(out_own.dtype)[..., None]  # [B, H, T, 1]
+    return torch.lerp(out_own, out_prefix, weight)
+
+
+AttentionInterface.register(NAME, shared_prefix_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)

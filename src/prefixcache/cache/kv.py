@@ -1,0 +1,271 @@
+"""PrefixKV: a prefix's key/value cache, computed once and shared read-only.
+
+A :class:`PrefixKV` holds, per decoder layer, the keys and values of the prefix
+tokens for batch size 1. It is never written after it is built.
+
+A batch does not copy the prefix. :meth:`PrefixKV.fork` returns a
+:class:`ForkedCache`, a transformers ``Cache`` whose layers keep the shared
+prefix tensors by reference and store only the batch's *own* tokens. On every
+attention call a layer hands the attention a :class:`~prefixcache.cache.attention.SharedKV`
+(prefix + own), and :mod:`prefixcache.cache.attention` reads the single prefix copy
+for all rows: neither memory nor work per batch ever holds ``B x prefix``.
+
+Forks of one prefix are independent: each has its own suffix state, so any
+number of them (threads, requests, label continuations) can run at once
+without sharing a mutable tensor (invariant 2).
+
+This module knows nothing about tasks, labels or tokenizers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from .attention import Packing, SharedKV, use_shared_prefix_attention
+from ..errors import PromptError
+
+
+@dataclass(frozen=True)
+class PrefixKV:
+    """Read-only keys/values of one prefix.
+
+    Attributes:
+        token_ids: the prefix tokens, in order.
+        keys, values: one tensor per layer, each ``[1, kv_heads, P, head_dim]``.
+    """
+
+    token_ids: tuple[int, ...] = field(repr=False)
+    keys: tuple[torch.Tensor, ...] = field(repr=False)
+    values: tuple[torch.Tensor, ...] = field(repr=False)
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the key/value tensors."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    @classmethod
+    @torch.inference_mode()
+    def build(cls, model: torch.nn.Module, token_ids: list[int] | tuple[int, ...]) -> PrefixKV:
+        """Run the prefix through the decoder once and keep its cache.
+
+        Only the decoder stack runs (no output head): the prefix's logits are never needed.
+
+        Raises:
+            PromptError: the prefix is empty or the model uses sliding-window / non-attention layers.
+        """
+        if not token_ids:
+            raise PromptError("the prefix is empty: nothing to cache")
+        _require_full_attention(model.config)
+        device = next(model.parameters()).device
+        ids = torch.tensor([list(token_ids)], device=device)  # [1, P]
+        cache = DynamicCache(config=model.config)
+        model.base_model(input_ids=ids, cache=cache, use_cache=True)
+        keys = tuple(layer.keys for layer in cache.layers)  # each [1, kv_heads, P, head_dim]
+        values = tuple(layer.values for layer in cache.layers)
+        return cls(tuple(int(t) for t in token_ids), keys, values)
+
+    def fork(self, batch_size: int, packing: Packing | None = None) -> ForkedCache:
+        """A fresh cache for ``batch_size`` rows that all continue this prefix. The prefix is shared, not copied.
+
+        With ``packing`` the rows arrive laid end to end as one sequence (``batch_size`` 1), for a
+        single forward pass.
+        """
+        if packing is not None and batch_size != 1:
+            raise ValueError(f"packed rows are one sequence: fork(1, packing), not fork({batch_size}, packing)")
+        return ForkedCache([_ForkLayer(k, v, batch_size, packing) for k, v in zip(self.keys, self.values)])
+
+    def checksum(self) -> str:
+        """SHA-256 over the token ids and every stored tensor's dtype, shape and raw bytes.
+
+        Used by tests to prove nothing mutated the prefix: unlike a sum, it changes when values are
+        permuted or when two changes cancel. Reads the tensors only (copies them to the CPU when needed).
+        """
+        digest = hashlib.sha256(",".join(map(str, self.token_ids)).encode())
+        for t in (*self.keys, *self.values):
+            raw = t.detach().contiguous().cpu()
+            digest.update(f"|{raw.dtype}|{tuple(raw.shape)}|".encode())
+            digest.update(raw.reshape(-1).view(torch.uint8).numpy().tobytes())  # bytes, so bfloat16 works too
+        return digest.hexdigest()
+
+    def head(self, length: int) -> PrefixKV:
+        """The first ``length`` tokens as *views* of this prefix (no copy; exact, since attention is causal).
+
+        A view keeps the whole of this prefix's storage alive; call :meth:`copy` to own only the head.
+
+        Raises:
+            ValueError: ``length`` is not in ``0..self.length``.
+        """
+        if not 0 <= length <= self.length:
+            raise ValueError(f"head({length}) of a {self.length}-token prefix")
+        return PrefixKV(
+            self.token_ids[:length],
+            tuple(k[..., :length, :] for k in self.keys),  # each [1, kv_heads, length, head_dim]
+            tuple(v[..., :length, :] for v in self.values),
+        )
+
+    def copy(self) -> PrefixKV:
+        """A prefix with the same tokens whose tensors are fresh, contiguous copies (owns its memory)."""
+        return PrefixKV(
+            self.token_ids,
+            tuple(k.clone(memory_format=torch.contiguous_format) for k in self.keys),
+            tuple(v.clone(memory_format=torch.contiguous_format) for v in self.values),
+        )
+
+    @torch.inference_mode()
+    def extend(self, model: torch.nn.Module, tail_ids: list[int] | tuple[int, ...]) -> PrefixKV:
+        """A new read-only prefix ``self.token_ids + tail_ids``, computing only the tail.
+
+        The tail runs through the decoder over a :meth:`fork` of this prefix (positions
+        ``P .. P+T-1``), then the stored and the new keys/values are concatenated into fresh
+        tensors. This prefix is not modified, and the result shares no storage with it.
+
+        Raises:
+            PromptError: the model uses sliding-window / non-attention layers.
+            ValueError: ``tail_ids`` is empty (use :meth:`copy`).
+        """
+        if not tail_ids:
+            raise ValueError("extend() needs at least one tail token; use copy()")
+        if self.length == 0:
+            return PrefixKV.build(model, tail_ids)
+        _require_full_attention(model.config)
+        device = self.keys[0].device
+        ids = torch.tensor([list(tail_ids)], device=device)  # [1, T]
+        positions = torch.arange(self.length, self.length + ids.shape[1], device=device)[None, :]  # [1, T]
+        cache = self.fork(1)
+        use_shared_prefix_attention(model)
+        model.base_model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+        keys = tuple(torch.cat([layer.prefix_keys, layer.keys], dim=-2) for layer in cache.layers)  # [1, kv, P+T, d]
+        values = tuple(torch.cat([layer.prefix_values, layer.values], dim=-2) for layer in cache.layers)
+        return PrefixKV(self.token_ids + tuple(int(t) for t in tail_ids), keys, values)
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """Named contiguous tensors for serialization: ``token_ids`` [P], ``k.{i}``/``v.{i}`` per layer."""
+        out = {"token_ids": torch.tensor(self.token_ids, dtype=torch.int64)}
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            out[f"k.{i}"], out[f"v.{i}"] = k.contiguous(), v.contiguous()
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> PrefixKV:
+        """Inverse of :meth:`to_tensors`.
+
+        Raises:
+            KeyError: a layer or ``token_ids`` is missing.
+        """
+        layers = sum(1 for name in tensors if name.startswith("k."))
+        keys = tuple(tensors[f"k.{i}"] for i in range(layers))
+        values = tuple(tensors[f"v.{i}"] for i in range(layers))
+        return cls(tuple(int(t) for t in tensors["token_ids"].tolist()), keys, values)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """Per-token cache geometry of a model: ``layers`` x 2 (keys, values) x ``kv_heads`` x ``head_dim``."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config) -> KVShape:
+        cfg = config.get_text_config(decoder=True)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
+
+    def nbytes(self, tokens: int, element_size: int) -> int:
+        """Bytes of keys + values for ``tokens`` tokens at ``element_size`` bytes per element."""
+        return 2 * self.layers * self.kv_heads * tokens * self.head_dim * element_size
+
+
+def _require_full_attention(config) -> None:
+    text_config = config.get_text_config(decoder=True)
+    layer_types = getattr(text_config, "layer_types", None) or []
+    odd = sorted({t for t in layer_types if t != "full_attention"})
+    if odd or getattr(text_config, "use_sliding_window", False):
+        raise PromptError(
+            f"model type {config.model_type!r} uses layer types {odd or ['sliding_attention']}; "
+            "prefix sharing supports full-attention decoders only"
+        )
+
+
+class _ForkLayer(DynamicLayer):
+    """One layer of a fork: the shared prefix by reference plus this batch's own keys/values.
+
+    ``self.keys``/``self.values`` hold only the own tokens, ``[B, kv_heads, S_own, head_dim]``.
+    """
+
+    is_croppable = False
+
+    def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, batch_size: int, packing: Packing | None = None):
+        super().__init__()
+        self.prefix_keys = prefix_keys  # [1, kv_heads, P, head_dim], never written
+        self.prefix_values = prefix_values
+        self.batch_size = batch_size
+        self.packing = packing
+        self.device = prefix_keys.device
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states: [B, kv_heads, S_new, head_dim]
+        if key_states.shape[0] != self.batch_size:
+            raise ValueError(f"fork was made for batch {self.batch_size}, got {key_states.shape[0]} rows")
+        if self.packing is not None:
+            if self.is_initialized:
+                raise ValueError("a packed fork serves one forward pass; fork again for another")
+            self.keys, self.values, self.is_initialized = key_states, value_states, True
+            return SharedKV(self.prefix_keys, key_states, self.packing), SharedKV(self.prefix_values, value_states, self.packing)
+        if self.is_initialized:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+        else:
+            self.keys, self.values, self.is_initialized = key_states, value_states, True
+        return SharedKV(self.prefix_keys, self.keys), SharedKV(self.prefix_values, self.values)
+
+    def own_length(self) -> int:
+        return self.keys.shape[-2] if self.is_initialized else 0
+
+    def get_seq_length(self) -> int:
+        return self.prefix_keys.shape[-2] + self.own_length()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.keys = self.keys.repeat_interleave(repeats, dim=0)
+            self.values = self.values.repeat_interleave(repeats, dim=0)
+        self.batch_size *= repeats
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys = self.keys[indices, ...]
+            self.values = self.values[indices, ...]
+        self.batch_size = int(indices.numel())
+
+
+class ForkedCache(Cache):
+    """A per-batch cache over a shared :class:`PrefixKV`. Safe to mutate; the prefix is untouched.
+
+    ``get_seq_length()`` is prefix length plus own tokens, so transformers sizes masks correctly.
+    """
+
+    def __init__(self, layers: list[_ForkLayer]):
+        super().__init__(layers=layers)
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].batch_size
+
+    @property
+    def own_length(self) -> int:
+        return self.layers[0].own_length()
+
+    def own_nbytes(self) -> int:
+        """Bytes this fork holds beyond the shared prefix."""
+        return sum(
+            t.numel() * t.element_size() for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)
+        )

@@ -1,0 +1,500 @@
+"""PrefixPool: the prefix caches of many (model, task) prefixes inside one byte budget.
+
+A prefix's identity (:class:`PrefixKey`) is a hash of the model identity (which
+names the weights and revision), the dtype and the prefix *token ids*, not the
+text: two tasks whose prefixes tokenize the same share one entry.
+
+:meth:`PrefixPool.get` returns a ready :class:`~prefixcache.cache.kv.PrefixKV`,
+taking the cheapest way to it:
+
+1. **memory**: the entry is held (a hit; its token ids are re-checked);
+2. **disk**: the disk tier (:mod:`prefixcache.cache.disk`) holds a verified file;
+3. **extended**: a held entry shares a leading part with it (the same system
+   prompt with other examples); that part is reused and only the tail computed;
+4. **computed**: the whole prefix runs through the model.
+
+The budget is never exceeded: before anything is computed, the entry's exact
+size is checked (a prefix larger than the budget, or than what pins leave,
+raises :class:`~prefixcache.errors.PoolBudgetError`), and unpinned entries are
+evicted in the policy's order (:data:`POLICIES`) until it fits. Pinned entries
+are never evicted.
+
+``bytes_held`` counts what the pool stores. A float entry is handed out by
+reference (no copy); an int8 entry is dequantized into a transient float copy
+that lives as long as the caller holds it. A caller that keeps a handed-out
+prefix keeps its memory alive after eviction, so hold one per run, not forever.
+
+Thread safety: one lock serializes ``get`` (including the computation of a
+missing prefix), so two threads asking for the same prefix compute it once.
+
+This module knows nothing about tasks, labels or records: only models and token ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar, Literal, Sequence
+
+import torch
+
+from ..errors import PoolBudgetError
+from .kv import KVShape, PrefixKV
+from ..model.load import LoadedModel
+from .layouts import STORAGES, KVStorage, Packed
+from .disk import DiskStore, Expected
+
+log = logging.getLogger(__name__)
+
+Source = Literal["memory", "disk", "extended", "computed"]
+
+
+# ---------------------------------------------------------------------------
+# Eviction policies
+# ---------------------------------------------------------------------------
+
+
+class EvictionPolicy(ABC):
+    """Orders entries for eviction. The pool calls it under its lock and skips pinned entries itself.
+
+    Contract: every key given to ``insert`` is in ``order()`` until ``remove``; ``order()``
+    lists the first to evict first.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def insert(self, key: str) -> None: ...
+
+    @abstractmethod
+    def access(self, key: str) -> None: ...
+
+    @abstractmethod
+    def remove(self, key: str) -> None: ...
+
+    @abstractmethod
+    def order(self) -> list[str]: ...
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first."""
+
+    name = "lru"
+
+    def __init__(self):
+        self._recent: OrderedDict[str, None] = OrderedDict()  # oldest first
+
+    def insert(self, key: str) -> None:
+        self._recent[key] = None
+        self._recent.move_to_end(key)
+
+    def access(self, key: str) -> None:
+        self._recent.move_to_end(key)
+
+    def remove(self, key: str) -> None:
+        self._recent.pop(key, None)
+
+    def order(self) -> list[str]:
+        return list(self._recent)
+
+
+class LFUPolicy(EvictionPolicy):
+    """Least frequently used first; among equal counts, least recently used first.
+
+    Inserting counts as the first use. Counts are forgotten when an entry leaves.
+    """
+
+    name = "lfu"
+
+    def __init__(self):
+        self._uses: dict[str, tuple[int, int]] = {}  # key -> (count, last tick)
+        self._tick = 0
+
+    def _touch(self, key: str, count: int) -> None:
+        self._tick += 1
+        self._uses[key] = (count, self._tick)
+
+    def insert(self, key: str) -> None:
+        self._touch(key, 1)
+
+    def access(self, key: str) -> None:
+        self._touch(key, self._uses[key][0] + 1)
+
+    def remove(self, key: str) -> None:
+        self._uses.pop(key, None)
+
+    def order(self) -> list[str]:
+        return sorted(self._uses, key=self._uses.__getitem__)
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRUPolicy, LFUPolicy)}
+"""``--eviction`` name -> policy class."""
+
+
+# ---------------------------------------------------------------------------
+# Keys, configuration, results
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefixKey:
+    """A prefix's identity: ``digest`` hashes model identity, dtype and token ids."""
+
+    digest: str
+    model: str
+    dtype: str
+    length: int
+
+    @classmethod
+    def of(cls, loaded: LoadedModel, token_ids: Sequence[int]) -> PrefixKey:
+        dtype = str(loaded.dtype).removeprefix("torch.")
+        digest = hashlib.sha256(f"{loaded.identity}\0{dtype}\0{','.join(map(str, token_ids))}".encode()).hexdigest()
+        return cls(digest[:40], loaded.identity, dtype, len(token_ids))
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """How a pool behaves. CLI defaults are read from here.
+
+    Attributes:
+        budget_bytes: most bytes the held entries may take together.
+        eviction: a key of :data:`POLICIES`.
+        storage: a key of :data:`~prefixcache.cache.layouts.STORAGES`.
+        min_shared_tokens: shortest leading part worth reusing from another entry.
+    """
+
+    budget_bytes: int = 256 * 2**20
+    eviction: str = "lru"
+    storage: str = "float"
+    min_shared_tokens: int = 8
+
+    def __post_init__(self):
+        if self.budget_bytes < 1:
+            raise ValueError("budget_bytes must be positive")
+        if self.eviction not in POLICIES:
+            raise ValueError(f"eviction must be one of {', '.join(POLICIES)}, not {self.eviction!r}")
+        if self.storage not in STORAGES:
+            raise ValueError(f"storage must be one of {', '.join(STORAGES)}, not {self.storage!r}")
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What :meth:`PrefixPool.get` returns.
+
+    Attributes:
+        prefix: the float prefix, read-only; fork it, never write it.
+        source: how it was obtained (memory, disk, extended, computed).
+        tokens_computed: prefix tokens run through the model by this call.
+        tokens_reused: prefix tokens this call did not have to compute.
+        seconds: wall time of the call.
+    """
+
+    prefix: PrefixKV = field(repr=False)
+    key: PrefixKey
+    source: Source
+    tokens_computed: int
+    tokens_reused: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of the pool's counters.
+
+    ``hits`` are lookups answered from memory; every other lookup is a ``miss``
+    (answered from disk, by extension, or by computing). ``prefill_tokens_saved``
+    is the prefix tokens not computed thanks to the pool (hits, disk loads,
+    reused leading parts).
+    """
+
+    hits: int
+    misses: int
+    evictions: int
+    entries: int
+    pinned: int
+    bytes_held: int
+    budget_bytes: int
+    float_bytes: int
+    prefill_tokens_saved: int
+    prefill_tokens_computed: int
+    disk_loads: int
+    disk_writes: int
+    disk_rejected: int
+    partial_reuses: int
+    storage: str
+    eviction: str
+
+    @property
+    def bytes_saved(self) -> int:
+        """Bytes the held entries would take more as float (0 for float storage)."""
+        return self.float_bytes - self.bytes_held
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"bytes_saved": self.bytes_saved}
+
+
+@dataclass
+class _Entry:
+    key: PrefixKey
+    packed: Packed
+    nbytes: int
+    float_bytes: int
+    pinned: bool
+    name: str
+
+
+@dataclass
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    saved: int = 0
+    computed: int = 0
+    disk_loads: int = 0
+    disk_writes: int = 0
+    disk_rejected: int = 0
+    partial_reuses: int = 0
+
+
+# ---------------------------------------------------------------------------
+# The pool
+# ---------------------------------------------------------------------------
+
+
+class PrefixPool:
+    """Prefix caches of many prefixes within ``config.budget_bytes``; optional disk tier ``store``."""
+
+    def __init__(self, config: PoolConfig = PoolConfig(), store: DiskStore | None = None):
+        self.config = config
+        self.store = store
+        self.storage: KVStorage = STORAGES[config.storage]()
+        self._policy: EvictionPolicy = POLICIES[config.eviction]()
+        self._entries: dict[str, _Entry] = {}
+        self._count = _Counters()
+        self._lock = threading.RLock()
+
+    # -- queries ------------------------------------------------------------
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def __contains__(self, key: PrefixKey) -> bool:
+        return key.digest in self._entries
+
+    def keys(self) -> list[PrefixKey]:
+        """Held entries, in eviction order (first to go first; pinned ones included)."""
+        with self._lock:
+            return [self._entries[d].key for d in self._policy.order()]
+
+    def is_pinned(self, key: PrefixKey) -> bool:
+        return key.digest in self._entries and self._entries[key.digest].pinned
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            c = self._count
+            entries = self._entries.values()
+            return PoolStats(
+                c.hits, c.misses, c.evictions, len(self._entries), sum(e.pinned for e in entries), self.bytes_held,
+                self.config.budget_bytes, sum(e.float_bytes for e in entries), c.saved, c.computed, c.disk_loads,
+                c.disk_writes, c.disk_rejected, c.partial_reuses, self.config.storage, self.config.eviction,
+            )
+
+    def size_of(self, loaded: LoadedModel, tokens: int) -> int:
+        """Exact bytes an entry of ``tokens`` tokens takes in this pool (before it is computed)."""
+        return self.storage.estimate(KVShape.of(loaded.model.config), tokens, _element_size(loaded))
+
+    # -- the lookup ----------------------------------------------------------
+
+    def get(self, loaded: LoadedModel, token_ids: Sequence[int], pin: bool = False, name: str = "") -> Lookup:
+        """The prefix of ``token_ids`` for ``loaded``, from memory, disk, a shared part, or computed.
+
+        Modifies the pool: counters, the policy's order, possibly evictions and an insertion
+        (and a file write when there is a disk tier). Never modifies a held prefix.
+        ``pin=True`` pins the entry (also when it was already held).
+
+        Raises:
+            PoolBudgetError: the prefix is larger than the budget, or than what pinned entries leave;
+                raised before anything is computed.
+            PromptError: ``token_ids`` is empty, or the model is not a full-attention decoder.
+        """
+        started = time.perf_counter()
+        ids = tuple(int(t) for t in token_ids)
+        key = PrefixKey.of(loaded, ids)
+        with self._lock:
+            entry = self._entries.get(key.digest)
+            if entry is not None and entry.packed.token_ids == ids:
+                return self._hit(entry, pin, started, loaded)
+            self._count.misses += 1
+            need = self.size_of(loaded, len(ids))
+            self._check_fits(need, pin, name or key.digest[:12])
+            packed, source, computed = self._obtain(loaded, key, ids, name)
+            self._make_room(packed.nbytes)
+            float_bytes = STORAGES["float"]().estimate(KVShape.of(loaded.model.config), len(ids), _element_size(loaded))
+            self._entries[key.digest] = _Entry(key, packed, packed.nbytes, float_bytes, pin, name)
+            self._policy.insert(key.digest)
+            self._count.computed += computed
+            self._count.saved += len(ids) - computed
+            prefix = self.storage.unpack(packed, loaded.dtype)
+            return Lookup(prefix, key, source, computed, len(ids) - computed, time.perf_counter() - started)
+
+    def unpin(self, key: PrefixKey) -> None:
+        """Make a held entry evictable again (no-op when it is not held)."""
+        with self._lock:
+            if key.digest in self._entries:
+                self._entries[key.digest].pinned = False
+
+    def clear(self) -> None:
+        """Drop every held entry, pinned ones included (the disk tier is untouched). Counters are kept."""
+        with self._lock:
+            for digest in list(self._entries):
+                self._policy.remove(digest)
+            self._entries.clear()
+
+    # -- steps of get --------------------------------------------------------
+
+    def _hit(self, entry: _Entry, pin: bool, started: float, loaded: LoadedModel) -> Lookup:
+        self._count.hits += 1
+        self._count.saved += entry.key.length
+        self._policy.access(entry.key.digest)
+        entry.pinned = entry.pinned or pin
+        prefix = self.storage.unpack(entry.packed, loaded.dtype)
+        return Lookup(prefix, entry.key, "memory", 0, entry.key.length, time.perf_counter() - started)
+
+    def _check_fits(self, need: int, pin: bool, label: str) -> None:
+        budget = self.config.budget_bytes
+        if need > budget:
+            raise PoolBudgetError(
+                f"prefix {label!r} needs {format_bytes(need)} but the whole --cache-budget is {format_bytes(budget)}; "
+                "raise --cache-budget, use --kv-storage int8, or shorten the task's instruction and examples"
+            )
+        pinned = sum(e.nbytes for e in self._entries.values() if e.pinned)
+        if pinned + need > budget:
+            raise PoolBudgetError(
+                f"prefix {label!r} needs {format_bytes(need)} but pinned prefixes hold {format_bytes(pinned)} of the "
+                f"{format_bytes(budget)} --cache-budget; raise the budget or unpin a task (pin: false)"
+            )
+
+    def _obtain(
+        self, loaded: LoadedModel, key: PrefixKey, ids: tuple[int, ...], name: str
+    ) -> tuple[Packed, Source, int]:
+        """The packed entry for ``ids`` and how many tokens were computed. Writes the disk tier when one exists."""
+        expected = Expected(key.model, key.dtype, self.storage.name, ids)
+        if self.store is not None:
+            read = self.store.read(key.digest, self.storage, expected, loaded.device)
+            if read.packed is not None:
+                self._count.disk_loads += 1
+                return read.packed, "disk", 0
+            if read.problem is not None:
+                self._count.disk_rejected += 1
+                log.warning("prefix cache file %s is %s: not used; recomputing it", read.path, read.problem)
+        prefix, source, computed = self._compute(loaded, key, ids)
+        packed = self.storage.pack(prefix)
+        if self.store is not None:
+            self._write(key, packed, expected, name)
+        return packed, source, computed
+
+    def _compute(self, loaded: LoadedModel, key: PrefixKey, ids: tuple[int, ...]) -> tuple[PrefixKV, Source, int]:
+        donor, shared = self._longest_shared(key, ids)
+        if donor is None:
+            return PrefixKV.build(loaded.model, ids), "computed", len(ids)
+        self._count.partial_reuses += 1
+        self._policy.access(donor.key.digest)
+        base = self.storage.unpack(donor.packed, loaded.dtype).head(shared)
+        if shared == len(ids):
+            return base.copy(), "extended", 0
+        return base.extend(loaded.model, ids[shared:]), "extended", len(ids) - shared
+
+    def _longest_shared(self, key: PrefixKey, ids: tuple[int, ...]) -> tuple[_Entry | None, int]:
+        """The held entry (same model and dtype) sharing the longest leading part with ``ids``, and that length."""
+        best, best_len = None, 0
+        for entry in self._entries.values():
+            if entry.key.model != key.model or entry.key.dtype != key.dtype:
+                continue
+            shared = _common_length(entry.packed.token_ids, ids)
+            if shared > best_len:
+                best, best_len = entry, shared
+        if best_len < min(self.config.min_shared_tokens, len(ids)):
+            return None, 0
+        return best, best_len
+
+    def _make_room(self, need: int) -> None:
+        """Evict unpinned entries in policy order until ``need`` more bytes fit."""
+        held = self.bytes_held
+        for digest in self._policy.order():
+            if held + need <= self.config.budget_bytes:
+                break
+            entry = self._entries[digest]
+            if entry.pinned:
+                continue
+            del self._entries[digest]
+            self._policy.remove(digest)
+            self._count.evictions += 1
+            held -= entry.nbytes
+        if held + need > self.config.budget_bytes:  # _check_fits makes this unreachable; never exceed the budget
+            budget = format_bytes(self.config.budget_bytes)
+            raise PoolBudgetError(f"cannot free {format_bytes(need)} within the {budget} budget")
+
+    def _write(self, key: PrefixKey, packed: Packed, expected: Expected, name: str) -> None:
+        try:
+            self.store.write(key.digest, self.storage.name, packed, expected, name)
+        except OSError as exc:
+            log.warning(
+                "could not write prefix %s to --cache-dir %s (%s); it stays in memory only", key.digest[:12], self.store.root, exc
+            )
+            return
+        self._count.disk_writes += 1
+
+
+def _element_size(loaded: LoadedModel) -> int:
+    """Bytes per key/value element: the model's compute dtype."""
+    return torch.empty((), dtype=loaded.dtype).element_size()
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+# ---------------------------------------------------------------------------
+# Sizes
+# ---------------------------------------------------------------------------
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "kib": 2**10,
+    "m": 10**6, "mb": 10**6, "mib": 2**20,
+    "g": 10**9, "gb": 10**9, "gib": 2**30,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """``"256MB"`` -> 256_000_000, ``"1.5GiB"``, ``"4096"``. Decimal (kB, MB, GB) and binary (KiB, MiB, GiB) units.
+
+    Raises:
+        ValueError: not a positive size.
+    """
+    raw = text.strip().lower().replace(" ", "").replace("_", "")
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(number):]
+    if unit not in _UNITS or not number:
+        raise ValueError(f"not a size: {text!r} (examples: 256MB, 1.5GiB, 4096)")
+    value = float(number) * _UNITS[unit]
+    if value < 1:
+        raise ValueError(f"a size must be at least 1 byte, not {text!r}")
+    return int(value)
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,170 @@
+"""Greedy decoding that continues from a shared prefix, batched, with stop strings.
+
+:func:`generate_rows` feeds B token rows after a stored prefix in one forward
+pass (right-padded, like :func:`~prefixcache.engine.forward.score_rows`), then decodes
+greedily one token per row per step. Each row keeps its own next position
+(``P + len(row) + step``) and its own attention mask, in which the padding
+between its last real token and its generated tokens stays masked out, so a
+row computes exactly what it would compute alone. Rows that finish are dropped
+from the fork (``batch_select_indices``), so later steps only run live rows.
+
+Full re-encoding is the same call with an empty prefix and whole prompts as
+rows: the cached and uncached paths share every line of decoding.
+
+A row finishes on an end-of-sequence token (not part of its text), when its
+decoded text contains a stop string (the text is cut before it), or after
+``max_new_tokens`` tokens.
+
+This module knows nothing about tasks, JSON or records: only token ids and text.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+from .forward import forward_rows, pad_rows
+from ..cache.kv import PrefixKV
+
+Finish = Literal["eos", "stop", "length"]
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How to decode. ``eos_ids``: token ids that end a row (see :func:`eos_ids_of`)."""
+
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    eos_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One row's output.
+
+    Attributes:
+        token_ids: every generated token, including the end-of-sequence token that ended it.
+        text: the decoded text without end-of-sequence / special tokens, cut before the first stop string.
+        finish: why it ended.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish: Finish
+
+
+@dataclass(frozen=True)
+class GenerationTiming:
+    """Timing of one :func:`generate_rows` call.
+
+    ``first_token_s``: from the call to the first generated token of every row (the prefill).
+    ``steps``: forward passes (1 prefill + decode steps). ``tokens``: generated tokens over all rows.
+    """
+
+    first_token_s: float
+    seconds: float
+    steps: int
+    tokens: int
+
+
+def eos_ids_of(model: torch.nn.Module, tokenizer) -> frozenset[int]:
+    """End-of-sequence ids: the tokenizer's eos token and the model's generation config eos (int or list)."""
+    ids: set[int] = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(int(i) for i in configured)
+    return frozenset(ids)
+
+
+def finish_of(tokenizer, token_ids: Sequence[int], config: GenerationConfig) -> tuple[str, Finish | None]:
+    """The text of a row's generated tokens so far and whether it is finished (``None``: not yet).
+
+    ``token_ids`` is everything generated; an end-of-sequence token can only be the last one.
+    """
+    ended = bool(token_ids) and token_ids[-1] in config.eos_ids
+    body = token_ids[:-1] if ended else token_ids
+    text = tokenizer.decode(list(body), skip_special_tokens=True)
+    cuts = [i for i in (text.find(s) for s in config.stop) if i >= 0]
+    if cuts:
+        return text[: min(cuts)], "stop"
+    if ended:
+        return text, "eos"
+    if len(token_ids) >= config.max_new_tokens:
+        return text, "length"
+    return text, None
+
+
+def _logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden ``[B, H]`` -> next-token logits ``[B, V]`` through the model's output head."""
+    return model.get_output_embeddings()(hidden)
+
+
+@torch.inference_mode()
+def generate_rows(
+    model: torch.nn.Module,
+    tokenizer,
+    prefix: PrefixKV,
+    rows: Sequence[Sequence[int]],
+    config: GenerationConfig,
+) -> tuple[list[Generation], GenerationTiming]:
+    """Greedy-decode a continuation of ``prefix + row`` for every row. Results are in ``rows`` order.
+
+    The prefix is only read (each call uses its own fork), so concurrent calls are safe.
+    """
+    started = time.perf_counter()
+    device = prefix.keys[0].device
+    batch = len(rows)
+    ids, mask, lengths = pad_rows(rows, device)  # [B, S], [B, S], [B]
+    cache = prefix.fork(batch)
+    past = torch.ones(batch, prefix.length, dtype=torch.bool, device=device)  # [B, P]
+    start = torch.full((batch,), prefix.length, device=device)
+    hidden = forward_rows(model, cache, ids, mask, start, past)  # [B, S, H]
+    last = hidden[torch.arange(batch, device=device), lengths - 1]  # [B, H]
+    next_ids = _logits(model, last).argmax(dim=-1)  # [B]
+    first_token_s = time.perf_counter() - started
+
+    attention = torch.cat([past, mask], dim=1)  # [B, P + S]: what each row's next token may see
+    positions = lengths + prefix.length  # [B]: RoPE index of each row's next token
+    live = list(range(batch))  # cache row -> input row
+    generated: list[list[int]] = [[] for _ in rows]
+    done: dict[int, Generation] = {}
+    steps = 1
+    while True:
+        keep = []
+        for slot, (row, token) in enumerate(zip(live, next_ids.tolist())):
+            generated[row].append(token)
+            text, finish = finish_of(tokenizer, generated[row], config)
+            if finish is None:
+                keep.append(slot)
+            else:
+                done[row] = Generation(tuple(generated[row]), text, finish)
+        if not keep:
+            break
+        if len(keep) < len(live):
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            attention, positions, next_ids = attention[index], positions[index], next_ids[index]
+            live = [live[k] for k in keep]
+        step_mask = torch.ones(len(live), 1, dtype=torch.bool, device=device)  # [b, 1]
+        hidden = forward_rows(model, cache, next_ids[:, None], step_mask, positions, attention)  # [b, 1, H]
+        next_ids = _logits(model, hidden[:, -1]).argmax(dim=-1)  # [b]
+        attention = torch.cat([attention, step_mask], dim=1)
+        positions = positions + 1
+        steps += 1
+    results = [done[i] for i in range(batch)]
+    tokens = sum(len(g.token_ids) for g in results)
+    timing = GenerationTiming(first_token_s, time.perf_counter() - started, steps, tokens)
+    return results, timing
