@@ -1,0 +1,178 @@
+"""Feature collection: records in, the hidden-state features a fitted label head reads out.
+
+:func:`collect_features` runs a task's prompt over records exactly as classification does (the same
+record loop of :class:`~prefixcache.run.loop.BoundTask`: windows, length-sorted batches over the
+shared cached prefix, the context-fit policy, and full re-encoding for a record whose tokens cross
+the prefix boundary) and keeps, per record, the features of a spec
+(:mod:`prefixcache.engine.features`) and the prompt's own first-token label log-probs.
+
+A record that cannot be rendered or does not fit the context is reported in ``FeatureSet.errors``
+(id -> message), never dropped silently.
+
+This module does not fit anything (see :mod:`prefixcache.eval.fit_head`) and does not print.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from ..cache.disk import token_hash
+from ..cache.kv import PrefixKV
+from ..cache.pool import PrefixPool
+from ..engine.features import FeatureSpec, RowStates, packed_features
+from ..engine.scoring import LabelHead
+from ..errors import InputError
+from ..model.load import LoadedModel
+from ..spec.context import ContextFit, context_limit
+from ..spec.prompt import Encoded, Prompt, build_prompt
+from ..spec.task import Task
+from .loop import BoundTask, WindowStats, WorkItem
+
+
+@dataclass(frozen=True, eq=False)
+class FeatureSet:
+    """Features of the records that ran, row for row with ``ids``.
+
+    Attributes:
+        ids: record ids, in input order, of the records that ran.
+        features: ``[N, F]`` float32, the spec's features.
+        prompt_logprobs: ``[N, L]`` float32, the prompt's own label log-probs from the first-token label
+            rows, normalized over the label set (labels sharing a first token get tied scores).
+        labels: the task's label order (the columns of ``prompt_logprobs``).
+        feature: the canonical feature spec.
+        prefix_hash: SHA-256 of the stored prefix's token ids (:func:`~prefixcache.cache.disk.token_hash`).
+        model_identity: the model's ``identity``.
+        errors: id -> message for every record that did not run.
+    """
+
+    ids: list
+    features: np.ndarray
+    prompt_logprobs: np.ndarray
+    labels: tuple[str, ...]
+    feature: str
+    prefix_hash: str
+    model_identity: str
+    errors: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RowFeatures:
+    """One record's result: its features ``[F]`` and prompt log-probs ``[L]``, or an error."""
+
+    id: object
+    features: torch.Tensor | None = None
+    prompt_logprobs: torch.Tensor | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """How :class:`FeatureCollector` runs (the classification ``RunConfig`` fields it reads)."""
+
+    mode: str = "batched"
+    batch_size: int = 32
+    window: int = 1024
+    overflow: str = "error"
+
+    def __post_init__(self):
+        if self.mode not in ("full", "cached", "batched"):
+            raise ValueError(f"mode must be full, cached or batched, not {self.mode!r}")
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+
+
+class FeatureCollector(BoundTask):
+    """A task bound to a model that yields :class:`RowFeatures` per record, in input order."""
+
+    stats_type = WindowStats
+
+    def __init__(self, loaded: LoadedModel, task: Task, feature: str | FeatureSpec = "last", pool: PrefixPool | None = None):
+        self.prompt: Prompt = build_prompt(task, loaded.tokenizer)
+        super().__init__(loaded, task, pool)
+        self.spec = feature if isinstance(feature, FeatureSpec) else FeatureSpec.parse(feature)
+        self.spec.check(loaded.model)
+        self.label_rows = LabelHead(loaded.model, self.prompt, "first-token")  # tied where first tokens collide
+        self.fit = ContextFit(self.prompt, loaded.tokenizer, context_limit(loaded.model), 0)
+
+    def collect(self, records: Iterable, config: FeatureConfig = FeatureConfig(), progress: Callable[[int], None] | None = None):
+        """Yield one :class:`RowFeatures` per record, in input order."""
+        yield from self._stream(records, config, progress, self.stats_type())
+
+    def _route(self, index: int, record, enc: Encoded, config) -> WorkItem:
+        """As classification routes it: fitted to the context (or failed), then after the prefix or in full."""
+        truncated = False
+        if self.fit.overflows(enc):
+            try:
+                enc, truncated = self.fit.fit(record.fields, record.id, enc, config.overflow).encoded, True
+            except InputError as exc:
+                return WorkItem(index, record, error=str(exc))
+        item = super()._route(index, record, enc, config)
+        return replace(item, truncated=True) if truncated else item
+
+    def _forward(self, prefix: PrefixKV, batch: list[WorkItem], stats) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One packed pass: per item, its features ``[F]`` and the prompt's label log-probs ``[L]``."""
+        own_starts = [len(self.prompt.prefix_ids) if it.full else 0 for it in batch]
+        states: RowStates = packed_features(self.loaded.model, prefix, [it.rows for it in batch], own_starts, self.spec)
+        logprobs = self.label_rows.first_token(states.last)  # [B, L]
+        stats.forward_passes += 1
+        return list(zip(states.features, logprobs))
+
+    _run = _forward  # the record loop's name for it before the layout change (issue 14)
+
+    def _result(self, item: WorkItem, output, mode=None) -> RowFeatures:
+        features, logprobs = output
+        return RowFeatures(item.record.id, features, logprobs)
+
+    def _failed(self, item: WorkItem) -> RowFeatures:
+        return RowFeatures(item.record.id, error=item.error)
+
+    def _tally(self, stats, items: list[WorkItem], results: dict) -> None:
+        stats.errors += sum(1 for i in items if i.error is not None)
+
+
+def collect_features(
+    loaded: LoadedModel,
+    task: Task,
+    records: Iterable,
+    *,
+    feature: str | FeatureSpec = "last",
+    batch_size: int = 32,
+    window: int = 1024,
+    progress: Callable[[int], None] | None = None,
+    pool: PrefixPool | None = None,
+    mode: str = "batched",
+    overflow: str = "error",
+) -> FeatureSet:
+    """Run ``task``'s prompt over ``records`` (batched over the cached prefix) and keep their features.
+
+    ``mode`` ``full`` re-encodes every prompt (the reference the cached path must equal).
+
+    Raises:
+        InputError: ``feature`` is not a valid spec for this model.
+    """
+    collector = FeatureCollector(loaded, task, feature, pool)
+    config = FeatureConfig(mode, batch_size, window, overflow)
+    ids, features, logprobs, errors = [], [], [], {}
+    for row in collector.collect(records, config, progress):
+        if row.error is not None:
+            errors[row.id] = row.error
+            continue
+        ids.append(row.id)
+        features.append(row.features)
+        logprobs.append(row.prompt_logprobs)
+    width = collector.spec.width(loaded.model.config.get_text_config(decoder=True).hidden_size)
+    labels = collector.label_rows.labels
+    return FeatureSet(
+        ids=ids,
+        features=torch.stack(features).float().numpy() if features else np.zeros((0, width), np.float32),
+        prompt_logprobs=torch.stack(logprobs).float().numpy() if logprobs else np.zeros((0, len(labels)), np.float32),
+        labels=labels,
+        feature=str(collector.spec),
+        prefix_hash=token_hash(collector.prompt.prefix_ids),
+        model_identity=loaded.identity,
+        errors=errors,
+    )
