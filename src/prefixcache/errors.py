@@ -46,3 +46,10 @@ class CacheStoreError(PrefixCacheError):
 
 class ResourceError(PrefixCacheError):
     """The machine or cluster lacks what a run asks for (GPUs for the workers, say)."""
+
+
+class HeadMismatchError(PrefixCacheError):
+    """A fitted label head does not belong to this model, prompt, label set or feature spec.
+
+    The message names which one differs, with what the head expects and what it found.
+    """

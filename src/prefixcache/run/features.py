@@ -24,6 +24,7 @@ from ..cache.disk import token_hash
 from ..cache.kv import PrefixKV
 from ..cache.pool import PrefixPool
 from ..engine.features import FeatureSpec, RowStates, packed_features
+from ..engine.head_file import text_hash
 from ..engine.scoring import LabelHead
 from ..errors import InputError
 from ..model.load import LoadedModel
@@ -47,6 +48,9 @@ class FeatureSet:
         prefix_hash: SHA-256 of the stored prefix's token ids (:func:`~prefixcache.cache.disk.token_hash`).
         model_identity: the model's ``identity``.
         errors: id -> message for every record that did not run.
+        text_hashes: per row of ``ids``, the SHA-256 of its normalized text
+            (:func:`~prefixcache.engine.head_file.text_hash`), which a head's manifest keeps for the leak check.
+        dtype: the dtype the model computed the features in.
     """
 
     ids: list
@@ -57,6 +61,8 @@ class FeatureSet:
     prefix_hash: str
     model_identity: str
     errors: dict = field(default_factory=dict)
+    text_hashes: list = field(default_factory=list)
+    dtype: str = ""
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,7 @@ class RowFeatures:
     features: torch.Tensor | None = None
     prompt_logprobs: torch.Tensor | None = None
     error: str | None = None
+    text_hash: str | None = None
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,7 @@ class FeatureCollector(BoundTask):
 
     def _result(self, item: WorkItem, output, mode=None) -> RowFeatures:
         features, logprobs = output
-        return RowFeatures(item.record.id, features, logprobs)
+        return RowFeatures(item.record.id, features, logprobs, text_hash=text_hash(item.record.fields, self.task.fields))
 
     def _failed(self, item: WorkItem) -> RowFeatures:
         return RowFeatures(item.record.id, error=item.error)
@@ -156,7 +163,7 @@ def collect_features(
     """
     collector = FeatureCollector(loaded, task, feature, pool)
     config = FeatureConfig(mode, batch_size, window, overflow)
-    ids, features, logprobs, errors = [], [], [], {}
+    ids, features, logprobs, hashes, errors = [], [], [], [], {}
     for row in collector.collect(records, config, progress):
         if row.error is not None:
             errors[row.id] = row.error
@@ -164,6 +171,7 @@ def collect_features(
         ids.append(row.id)
         features.append(row.features)
         logprobs.append(row.prompt_logprobs)
+        hashes.append(row.text_hash)
     width = collector.spec.width(loaded.model.config.get_text_config(decoder=True).hidden_size)
     labels = collector.label_rows.labels
     return FeatureSet(
@@ -175,4 +183,6 @@ def collect_features(
         prefix_hash=token_hash(collector.prompt.prefix_ids),
         model_identity=loaded.identity,
         errors=errors,
+        text_hashes=hashes,
+        dtype=str(loaded.dtype).removeprefix("torch."),
     )

@@ -1,0 +1,84 @@
+"""FittedHead: a linear label head fitted on labelled rows, applied to a record's features.
+
+Its logits are ``prompt_scale * prompt_logprobs + features @ weight.T + bias``, normalized over the
+label set. ``prompt_scale`` is 0 for a head fitted from scratch; for a head fitted *on the prompt*
+it is the fitted weight of the prompt's own label log-probs, which the linear part then corrects.
+Standardization of the features is already folded into ``weight`` and ``bias`` (see
+:func:`fold_standardization`), so applying a head is one ``[B, F] x [F, L]`` product.
+
+This module knows nothing about files, fitting or records: see :mod:`prefixcache.engine.head_file`
+(save, load, check) and :mod:`prefixcache.eval.fit_head` (the fit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class FittedHead:
+    """A fitted linear head over ``labels`` (in this order) reading features of spec ``feature``.
+
+    Attributes:
+        weight: ``[L, F]`` float32.
+        bias: ``[L]`` float32.
+        prompt_scale: the weight of the prompt's label log-probs in the logits (0: a head from scratch).
+        manifest: the head file's manifest when the head was loaded or fitted (model, prompt, training rows).
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    prompt_scale: float
+    labels: tuple[str, ...]
+    feature: str
+    manifest: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.weight.ndim != 2 or self.weight.shape[0] != len(self.labels) or self.bias.shape != (len(self.labels),):
+            raise ValueError(
+                f"a head over {len(self.labels)} labels needs weight [L, F] and bias [L], "
+                f"got {tuple(self.weight.shape)} and {tuple(self.bias.shape)}"
+            )
+
+    @property
+    def width(self) -> int:
+        """Features per row the head reads (F)."""
+        return int(self.weight.shape[1])
+
+    @property
+    def on_prompt(self) -> bool:
+        return self.prompt_scale != 0.0
+
+    def log_probs(self, features, prompt_logprobs=None) -> torch.Tensor:
+        """Label-set log-softmax of the head's logits. ``features [B, F]``, ``prompt_logprobs [B, L]`` -> ``[B, L]``.
+
+        ``prompt_logprobs`` may be None only for a head from scratch. Arrays or tensors; float32 result.
+        """
+        x = torch.as_tensor(features).float()  # [B, F]
+        logits = x @ self.weight.T + self.bias  # [B, L]
+        if self.on_prompt:
+            if prompt_logprobs is None:
+                raise ValueError("a head fitted on the prompt needs the prompt's label log-probs")
+            logits = logits + self.prompt_scale * torch.as_tensor(prompt_logprobs).float()
+        return torch.log_softmax(logits, dim=-1)
+
+    def predict(self, features, prompt_logprobs=None) -> list[str]:
+        """The best label per row."""
+        return [self.labels[i] for i in self.log_probs(features, prompt_logprobs).argmax(dim=-1).tolist()]
+
+
+def fold_standardization(
+    coef: np.ndarray, intercept: np.ndarray, mean: np.ndarray, scale: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights over raw features from weights over standardized ones.
+
+    ``z = (x - mean) / scale``; ``z @ coef.T + intercept == x @ W.T + b`` with ``W = coef / scale`` and
+    ``b = intercept - W @ mean``. ``coef [L, F]``, ``intercept [L]``, ``mean, scale [F]`` -> ``W [L, F]``, ``b [L]``
+    (float32; the arithmetic is done in float64).
+    """
+    weight = np.asarray(coef, np.float64) / np.asarray(scale, np.float64)[None, :]
+    bias = np.asarray(intercept, np.float64) - weight @ np.asarray(mean, np.float64)
+    return torch.from_numpy(weight.astype(np.float32)), torch.from_numpy(bias.astype(np.float32))

@@ -1,0 +1,153 @@
+"""The head file: a fitted label head as one ``.safetensors`` file, with its JSON manifest inside.
+
+Layout: two float32 tensors, ``weight [L, F]`` and ``bias [L]``, and one metadata entry,
+``prefixcache.head``, holding the manifest as JSON (sorted keys, no whitespace, no timestamps),
+so saving a loaded head writes the same bytes. The manifest (:data:`MANIFEST_KEYS`):
+
+* ``format``: :data:`FORMAT`;
+* ``model``: the model's ``identity``; ``dtype``: the dtype the features were computed in;
+* ``prefix_sha256``: SHA-256 of the stored prefix's token ids (:func:`~prefixcache.cache.disk.token_hash`);
+* ``feature``: the feature spec; ``labels``: the label order; ``prompt_scale``: see
+  :class:`~prefixcache.engine.head.FittedHead`;
+* ``training``: ``rows`` and ``text_sha256``, the sorted SHA-256 of every training row's normalized
+  text (:func:`text_hash`), which ``eval`` reads to refuse rows the head was fitted on;
+* ``cv``: the cross-validated figures (``accuracy``, ``macro_f1``, ``folds``, ``C``, ...);
+* ``versions``: prefixcache, torch, transformers and scikit-learn.
+
+:func:`check` refuses a head against another model, prompt, label set or feature spec.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import metadata
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, safe_open, save_file
+
+from ..cache.disk import token_hash
+from ..errors import HeadMismatchError, InputError
+from ..spec.selection import normalize_text
+from .head import FittedHead
+
+FORMAT = "prefixcache-head/1"
+METADATA_KEY = "prefixcache.head"
+MANIFEST_KEYS = ("format", "model", "dtype", "prefix_sha256", "feature", "labels", "prompt_scale", "training", "cv", "versions")
+VERSIONED = {"prefixcache": "prefixcache", "torch": "torch", "transformers": "transformers", "scikit-learn": "scikit-learn"}
+
+
+def text_hash(fields: Mapping[str, object], names: Sequence[str]) -> str:
+    """SHA-256 of a row's normalized text: its ``names`` fields, each normalized
+    (:func:`~prefixcache.spec.selection.normalize_text`: case-folded, punctuation dropped, spaces collapsed),
+    joined by newlines. Two rows that ``eval`` would call the same text get the same hash."""
+    text = "\n".join(normalize_text(str(fields.get(name, ""))) for name in names)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of the libraries a head depends on (``"absent"`` when not installed)."""
+    versions = {}
+    for key, dist in VERSIONED.items():
+        try:
+            versions[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[key] = "absent"
+    return versions
+
+
+def prefix_hash(prompt) -> str:
+    """The hash a head keeps of a prompt: SHA-256 of its stored prefix's token ids."""
+    return token_hash(prompt.prefix_ids)
+
+
+def manifest_json(manifest: Mapping) -> str:
+    """The manifest's one canonical JSON text (sorted keys, compact)."""
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def save_head(head: FittedHead, path: str | Path) -> Path:
+    """Write ``head`` (tensors and ``head.manifest``) to ``path``. Deterministic: same head, same bytes."""
+    missing = [key for key in MANIFEST_KEYS if key not in head.manifest]
+    if missing:
+        raise ValueError(f"the head's manifest lacks {missing}")
+    manifest = dict(head.manifest, labels=list(head.labels), feature=head.feature, prompt_scale=head.prompt_scale)
+    tensors = {"weight": head.weight.float().contiguous(), "bias": head.bias.float().contiguous()}
+    path = Path(path)
+    save_file(tensors, str(path), metadata={METADATA_KEY: manifest_json(manifest)})
+    return path
+
+
+def load_head(path: str | Path) -> FittedHead:
+    """Read a head file.
+
+    Raises:
+        InputError: the file is missing, not a safetensors file, or not a prefixcache head.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"head file {str(path)!r} does not exist; fit one with `prefixcache fit`")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            text = (handle.metadata() or {}).get(METADATA_KEY)
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise InputError(f"head file {str(path)!r} cannot be read ({exc}); fit it again with `prefixcache fit`") from exc
+    try:
+        manifest = json.loads(text) if text else None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise ValueError(f"no {FORMAT} manifest")
+        return FittedHead(
+            tensors["weight"], tensors["bias"], float(manifest["prompt_scale"]), tuple(manifest["labels"]),
+            manifest["feature"], manifest,
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{str(path)!r} is not a prefixcache head file ({exc}); fit one with `prefixcache fit`") from exc
+
+
+def check(manifest: Mapping, loaded, prompt, labels: Sequence[str], feature: str | None = None) -> None:
+    """Refuse a head fitted for something else.
+
+    Args:
+        loaded: the model the head is applied with (its ``identity``).
+        prompt: the prompt whose stored prefix conditions the features (its ``prefix_ids``).
+        labels: the task's label order. ``feature``: the feature spec asked for (None: not checked).
+
+    Raises:
+        HeadMismatchError: naming each of model / prompt / labels / feature that differs, expected vs found.
+    """
+    found = {"model": loaded.identity, "prompt": prefix_hash(prompt), "labels": list(labels)}
+    expected = {"model": manifest.get("model"), "prompt": manifest.get("prefix_sha256"), "labels": manifest.get("labels")}
+    if feature is not None:
+        found["feature"], expected["feature"] = str(feature), manifest.get("feature")
+    differ = [name for name in found if found[name] != expected[name]]
+    if differ:
+        detail = "; ".join(_difference(name, expected[name], found[name]) for name in differ)
+        raise HeadMismatchError(
+            f"this head was fitted for another {' and '.join(differ)} ({detail}); "
+            "fit a head for this task and model with `prefixcache fit`, or drop --head"
+        )
+
+
+def _difference(name: str, expected, found) -> str:
+    text = f"{name}: the head expects {_show(name, expected)}, found {_show(name, found)}"
+    if name == "labels" and isinstance(expected, list):
+        missing, extra = [x for x in expected if x not in found], [x for x in found if x not in expected]
+        text += f" (not in the task: {missing}; not in the head: {extra})" if missing or extra else " (another order)"
+    return text
+
+
+def _show(name: str, value) -> str:
+    if name == "prompt" and isinstance(value, str):
+        return f"prefix sha256 {value[:12]}…"
+    if name == "labels" and isinstance(value, list):
+        return f"{len(value)} labels [{', '.join(map(str, value[:6]))}{', …' if len(value) > 6 else ''}]"
+    return repr(value)
+
+
+def same_dtype(manifest: Mapping, dtype: torch.dtype) -> bool:
+    """Whether the head's features were computed in ``dtype`` (another dtype works, with drift)."""
+    return manifest.get("dtype") == str(dtype).removeprefix("torch.")
