@@ -204,3 +204,17 @@ def test_curve_steps_are_parsed_or_refused():
     assert parse_shots("1, 2,5,10,ALL") == [1, 2, 5, 10, None]
     with pytest.raises(InputError, match="--curve"):
         parse_shots("1,0")
+
+
+def test_a_task_file_names_its_head_relative_to_itself(tmp_path):
+    from prefixcache.spec.task import load_task
+
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "t.yaml").write_text(TASK_YAML + "head: heads/t.head.safetensors\n")
+    assert load_task(folder / "t.yaml").head == str(folder / "heads" / "t.head.safetensors")
+    absolute = tmp_path / "elsewhere.safetensors"
+    (folder / "a.yaml").write_text(TASK_YAML + f"head: {absolute}\n")
+    assert load_task(folder / "a.yaml").head == str(absolute)
+    (folder / "n.yaml").write_text(TASK_YAML)
+    assert load_task(folder / "n.yaml").head is None

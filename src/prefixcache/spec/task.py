@@ -73,6 +73,7 @@ class Task(BaseModel):
     select: Selection | None = None
     input_template: str = "{text}"
     pin: bool = False
+    head: str | None = Field(default=None, min_length=1)  # a fitted label head file; relative to the task file
 
     @field_validator("labels")
     @classmethod
@@ -377,9 +378,18 @@ def load_task(spec: str | Path, kinds: tuple[str, ...] = ("classify",)) -> Task:
     if path.suffix in (".yaml", ".yml", ".json") or path.exists():
         if not path.is_file():
             raise TaskError(f"{path}: no such task file")
-        return parse_task(path.read_text(encoding="utf-8"), source=str(path), kinds=kinds)
+        return _head_beside(parse_task(path.read_text(encoding="utf-8"), source=str(path), kinds=kinds), path.parent)
     resource = resources.files(BUNDLED_PACKAGE) / f"{spec}.yaml"
     if not resource.is_file():
         names = ", ".join(bundled_task_names(kinds))
         raise TaskError(f"unknown task {spec!r}: pass a YAML path or one of the bundled tasks ({names})")
-    return parse_task(resource.read_text(encoding="utf-8"), source=f"bundled:{spec}.yaml", kinds=kinds)
+    task = parse_task(resource.read_text(encoding="utf-8"), source=f"bundled:{spec}.yaml", kinds=kinds)
+    return _head_beside(task, Path(str(resources.files(BUNDLED_PACKAGE))))
+
+
+def _head_beside(task, folder: Path):
+    """``task`` with a relative ``head:`` path resolved against the task file's ``folder``."""
+    head = getattr(task, "head", None)
+    if head is None or Path(head).is_absolute():
+        return task
+    return task.model_copy(update={"head": str(folder / head)})
