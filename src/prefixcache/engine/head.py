@@ -13,9 +13,14 @@ This module knows nothing about files, fitting or records: see :mod:`prefixcache
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
+
+from ..cache.kv import PrefixKV
+from .features import FeatureSpec, packed_features
+from .scoring import LabelHead
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,6 +52,10 @@ class FittedHead:
     def width(self) -> int:
         """Features per row the head reads (F)."""
         return int(self.weight.shape[1])
+
+    @property
+    def spec(self) -> FeatureSpec:
+        return FeatureSpec.parse(self.feature)
 
     @property
     def on_prompt(self) -> bool:
@@ -82,3 +91,23 @@ def fold_standardization(
     weight = np.asarray(coef, np.float64) / np.asarray(scale, np.float64)[None, :]
     bias = np.asarray(intercept, np.float64) - weight @ np.asarray(mean, np.float64)
     return torch.from_numpy(weight.astype(np.float32)), torch.from_numpy(bias.astype(np.float32))
+
+
+@torch.inference_mode()
+def head_rows(
+    model: torch.nn.Module,
+    prefix: PrefixKV,
+    rows: Sequence[Sequence[int]],
+    own_starts: Sequence[int],
+    head: FittedHead,
+    label_rows: LabelHead,
+) -> torch.Tensor:
+    """Score rows after ``prefix`` through a fitted head: one packed pass, then one ``[B, F] x [F, L]`` product
+    (plus the prompt's ``[B, H] x [H, L]`` label rows for a head on the prompt). Returns log-probs ``[B, L]``.
+
+    No label continuation is ever run, whatever the labels' tokens. ``own_starts``: see
+    :func:`~prefixcache.engine.features.packed_features`.
+    """
+    states = packed_features(model, prefix, rows, own_starts, head.spec)
+    prompt = label_rows.first_token(states.last) if head.on_prompt else None  # [B, L]
+    return head.log_probs(states.features, prompt)

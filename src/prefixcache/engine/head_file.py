@@ -108,6 +108,18 @@ def load_head(path: str | Path) -> FittedHead:
         raise InputError(f"{str(path)!r} is not a prefixcache head file ({exc}); fit one with `prefixcache fit`") from exc
 
 
+def head_for(task, head: FittedHead | str | Path | None = None) -> FittedHead | None:
+    """The head to use for ``task``: ``head`` (a head, or a path to load), else the task file's ``head:``, else None.
+
+    Raises:
+        InputError: the file cannot be read as a head.
+    """
+    if isinstance(head, FittedHead):
+        return head
+    path = head if head is not None else getattr(task, "head", None)
+    return load_head(path) if path is not None else None
+
+
 def check(manifest: Mapping, loaded, prompt, labels: Sequence[str], feature: str | None = None) -> None:
     """Refuse a head fitted for something else.
 

@@ -35,11 +35,12 @@ class CurvePoint:
     on_prompt: float
     scratch_C: float
     on_prompt_C: float
+    scored: int = 0  # held-out rows scored (the same for every point of a curve)
 
     def to_json(self) -> dict:
         return {"shots": self.shots if self.shots is not None else "all", "rows": self.rows, "prompt": self.prompt,
                 "scratch": self.scratch, "on_prompt": self.on_prompt, "scratch_C": self.scratch_C,
-                "on_prompt_C": self.on_prompt_C}
+                "on_prompt_C": self.on_prompt_C, "scored": self.scored}
 
 
 def parse_shots(text: str) -> list[int | None]:
@@ -117,5 +118,6 @@ def fit_curve(
             result = fit_head(part, gold, folds=folds, on_prompt=on_prompt, seed=seed)
             predicted = result.head.log_probs(feature_set.features[test], feature_set.prompt_logprobs[test]).argmax(dim=-1)
             scored[on_prompt] = (float((predicted.numpy() == gold_test).mean()), result.C)
-        points.append(CurvePoint(k, len(rows), prompt, scored[False][0], scored[True][0], scored[False][1], scored[True][1]))
+        points.append(CurvePoint(k, len(rows), prompt, scored[False][0], scored[True][0], scored[False][1], scored[True][1],
+                                 len(test)))
     return points
