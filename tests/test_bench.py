@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from prefixcache.bench.lanes import Lane, matmul_peak_gflops, near_tie_ids, nonembedding_params, run_lanes
-from prefixcache.cli.main import app
+from prefixcache.cli.app import app
 from prefixcache.run.classify import Prediction, Record, RunStats
 from prefixcache.engine.scoring import LabelScores
 from prefixcache.eval.verify import compare

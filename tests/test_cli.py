@@ -9,7 +9,7 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from prefixcache.cli.main import app
+from prefixcache.cli.app import app
 
 from conftest import TASK_YAML, TEXTS, save_tiny_model
 

@@ -15,7 +15,7 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from prefixcache.cli.main import app
+from prefixcache.cli.app import app
 from prefixcache.datasets.tickets import generate_tickets
 
 from conftest import TASK_YAML, save_tiny_model

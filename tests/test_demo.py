@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import make_tokenizer, save_tiny_model, tiny_config, tiny_loaded
-from prefixcache.cli.main import app
+from prefixcache.cli.app import app
 from prefixcache.io.records import bundled_dataset, read_rows, to_records
 from prefixcache.cli.demo import float32_twin
 from prefixcache.model.load import LoadedModel, build_random_model

@@ -13,7 +13,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from prefixcache.cli.main import app
+from prefixcache.cli.app import app
 from prefixcache.io.records import bundled_dataset, read_records
 from prefixcache.run.classify import Classifier, RunConfig
 from prefixcache.eval.verify import compare

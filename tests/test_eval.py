@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from prefixcache.eval.calibration import Prior, calibrate, calibrate_logprobs, content_free_prior, mean_distribution
-from prefixcache.cli.main import app
+from prefixcache.cli.app import app
 from prefixcache.errors import InputError, TaskError
 from prefixcache.eval.evaluate import evaluate, labelled_records, parse_steps, plan_eval, run_eval
 from prefixcache.eval.metrics import compute_metrics, confusion_matrix, metrics_from_confusion

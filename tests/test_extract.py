@@ -14,7 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from prefixcache.bench.lanes import BenchOptions
-from prefixcache.cli.main import app
+from prefixcache.cli.app import app
 from prefixcache.errors import TaskError
 from prefixcache.run.extract import Extractor, compare_extractions, parse_fields, run_extract_bench, verify_extract
 from prefixcache.engine.generate import GenerationConfig, generate_rows

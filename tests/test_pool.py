@@ -15,10 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from prefixcache.cli.main import app
+from prefixcache.cli.app import app
 from prefixcache.errors import CacheStoreError, PoolBudgetError
 from prefixcache.cache.kv import KVShape, PrefixKV
-from prefixcache.cache.pool import POLICIES, LFUPolicy, LRUPolicy, PoolConfig, PrefixKey, PrefixPool, parse_bytes
+from prefixcache.cache.config import PoolConfig, parse_bytes
+from prefixcache.cache.eviction import POLICIES, LFUPolicy, LRUPolicy
+from prefixcache.cache.pool import PrefixKey, PrefixPool
 from prefixcache.cache.layouts import STORAGES, Int8Storage, storage_agreement
 from prefixcache.run.classify import Classifier, RunConfig, records_from_texts
 from prefixcache.cache.disk import DiskStore
@@ -49,9 +51,12 @@ def held(pool, loaded, firsts) -> list[bool]:
 
 def test_policies_registry_feeds_the_cli():
     assert set(POLICIES) == {"lru", "lfu"} and set(STORAGES) == {"float", "int8"}
-    from prefixcache.cli import main as cli
+    from prefixcache.cache.config import STORAGE_NAMES
+    from prefixcache.cli import options as cli
 
+    assert tuple(STORAGES) == STORAGE_NAMES, "the torch-free storage names the CLI offers are the registry's"
     assert set(POLICIES) <= set(cli.EvictionOpt.help.replace(",", " ").replace(".", " ").split())
+    assert set(STORAGES) <= set(cli.KVStorageOpt.help.replace(",", " ").replace(".", " ").split())
 
 
 def test_lru_and_lfu_order_on_their_own():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from prefixcache.cli.main import app
+from prefixcache.cli.app import app
 from prefixcache.io.records import read_records, scan_records, scan_rows, to_records
 from prefixcache.errors import InputError
 from prefixcache.run.classify import Classifier, Record, RunConfig

@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from prefixcache.io import journal as resume
-from prefixcache.cli.main import app
+from prefixcache.cli.app import app
 from prefixcache.errors import InputError
 from prefixcache.run.classify import LabelScores, Prediction, Record
 

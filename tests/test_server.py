@@ -448,7 +448,7 @@ def test_cli_serve_defaults_match_server_settings():
     """The CLI's --max-* defaults are written out for --help; they must equal ServerSettings'."""
     import typer.main
 
-    from prefixcache.cli.main import app
+    from prefixcache.cli.app import app
 
     command = typer.main.get_command(app).commands["serve"]
     defaults = {p.name: p.default for p in command.params}
@@ -462,24 +462,25 @@ def test_cli_serve_never_trusts_remote_code_unless_told(loaded, tmp_path, monkey
     """`serve` wires the operator's flags through: remote code stays off by default; the key comes from the env."""
     from typer.testing import CliRunner
 
-    import prefixcache.cli.main
+    import prefixcache.cli.app
+    import prefixcache.cli.loading
     import prefixcache.server.run
 
     task_file = tmp_path / "task.yaml"
     task_file.write_text(TASK_YAML)
     calls = []
-    monkeypatch.setattr(prefixcache.cli.main, "load_model", lambda spec, dtype, threads, **kw: calls.append(kw) or loaded)
+    monkeypatch.setattr(prefixcache.cli.loading, "load_model", lambda spec, dtype, threads, **kw: calls.append(kw) or loaded)
     served = []
     monkeypatch.setattr(prefixcache.server.run, "run_server", lambda loaded, tasks, settings, level: served.append((tasks, settings)))
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     runner = CliRunner()
     for extra, trusted in (([], False), (["--trust-remote-code"], True)):
-        result = runner.invoke(prefixcache.cli.main.app, ["serve", "--task", str(task_file), "--port", "0", "--max-batch", "7", *extra])
+        result = runner.invoke(prefixcache.cli.app.app, ["serve", "--task", str(task_file), "--port", "0", "--max-batch", "7", *extra])
         assert result.exit_code == 0, result.output
         assert calls[-1] == {"trust_remote_code": trusted}
     tasks, settings = served[-1]
     assert [t.name for t in tasks] == [TASK] and settings.max_batch == 7 and settings.api_key == "from-env"
-    result = runner.invoke(prefixcache.cli.main.app, ["serve", "--task", str(task_file), "--max-items", "5000"])
+    result = runner.invoke(prefixcache.cli.app.app, ["serve", "--task", str(task_file), "--max-items", "5000"])
     assert result.exit_code == 2 and "max_items" in result.output, "a bad setting is a clean usage error"
 
 

@@ -6,12 +6,39 @@ The library surface::
     clf = Classifier(load_model("smollm2-135m"), load_task("support-tickets"))
     for p in clf.classify([Record(0, {"text": "I was charged twice"})], RunConfig("batched", 32)):
         print(p.id, p.label, p.scores.probabilities)
+
+The names load lazily (a module ``__getattr__``): ``import prefixcache`` imports neither torch nor
+transformers; the first use of ``Classifier`` or ``load_model`` does.
 """
 
-from .errors import PrefixCacheError
-from .model.load import load_model
-from .run.classify import Classifier, Prediction, Record, RunConfig
-from .spec.task import Task, load_task
+from __future__ import annotations
 
-__all__ = ["Classifier", "Prediction", "PrefixCacheError", "Record", "RunConfig", "Task", "load_model", "load_task"]
+import importlib
+
+# public name -> the module that defines it
+_LAZY = {
+    "Classifier": ".run.classify",
+    "Mode": ".types",
+    "Prediction": ".types",
+    "PrefixCacheError": ".errors",
+    "Record": ".types",
+    "RunConfig": ".types",
+    "Task": ".spec.task",
+    "load_model": ".model.load",
+    "load_task": ".spec.task",
+}
+
+__all__ = sorted(_LAZY)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

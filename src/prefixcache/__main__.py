@@ -1,3 +1,3 @@
-from .cli.main import app
+from .cli.app import app
 
 app()

@@ -19,8 +19,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..run.classify import Classifier, Prediction, Record, RunConfig, RunStats, warmup
+from ..run.classify import Classifier, warmup
+from ..types import Mode, Prediction, Record, RunConfig, RunStats
 from ..eval.verify import compare
+from .options import BenchOptions
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class Lane:
 
 def classifier_lane(name: str, classifier: Classifier, mode: str, batch_size: int = 1) -> Lane:
     """A lane for one runner mode of ``classifier``."""
-    config = RunConfig(mode, batch_size if mode == "batched" else 1)
+    config = RunConfig(mode, Mode(mode).pass_size(batch_size))
 
     def run(records: list[Record]):
         stats = RunStats()
@@ -253,23 +255,6 @@ def sweep_prefix(
         if on_point:
             on_point(point)
     return points
-
-
-@dataclass(frozen=True)
-class BenchOptions:
-    """What ``prefixcache bench`` runs. Defaults reproduce the published workload's shape."""
-
-    task: str = "tickets-compact"
-    items: int = 600
-    model: str = "smollm2-135m"
-    model_config: str | None = None
-    dtype: str = "auto"
-    threads: int | None = None
-    batch_size: int = 32
-    llama_cpp: bool = True
-    sweep_targets: tuple[int, ...] = ()
-    sweep_full_items: int = 16
-    sweep_items: int = 128
 
 
 def same_dtype_copy(loaded, dtype: torch.dtype):

@@ -16,8 +16,8 @@ import torch
 
 from .lanes import Lane
 from ..model.load import EMBEDDED, embedded_gguf
-from ..run.classify import Classifier, Prediction, Record, RunStats
-from ..engine.scoring import LabelScores
+from ..run.classify import Classifier
+from ..types import LabelScores, Prediction, Record, RunStats
 
 
 _PROBE = """

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from ..spec.prompt import build_prompt
-from ..run.classify import Record
+from ..types import Record
 from ..spec.task import Example, Task
 from ..datasets.tickets import generate_tickets
 

@@ -1,7 +1,8 @@
 """The disk tier: prefixes saved as safetensors files with a manifest, so a restart loads instead of recomputing.
 
 One file per (prefix identity, storage): ``<digest>.<storage>.safetensors`` in
-the store's folder. The safetensors header's metadata is the :class:`Manifest`:
+the store's folder (listing and clearing it, torch-free: :mod:`prefixcache.cache.manifest`).
+The safetensors header's metadata is the :class:`~prefixcache.cache.manifest.Manifest`:
 model identity (which names the revision or the weights' hash), dtype, storage,
 token count and token hash, transformers version, and a SHA-256 checksum of
 every tensor's bytes. Manifest and data live in one file written to a
@@ -21,60 +22,18 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..errors import CacheStoreError
 from .layouts import KVStorage, Packed
+from .manifest import FORMAT, SUFFIX, Cleared, DiskFolder, Expected, Manifest, StoredFile, token_hash
 
-FORMAT = "prefixcache-kv/1"
-SUFFIX = ".safetensors"
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What a stored prefix is. Every field is a string (safetensors metadata is ``str -> str``)."""
-
-    format: str
-    model: str  # LoadedModel.identity: names the weights (HF revision, GGUF sha256, folder path)
-    dtype: str
-    storage: str
-    tokens: str
-    token_hash: str
-    transformers: str
-    checksum: str
-    name: str = ""  # the task that first stored it (informative only)
-    created: str = ""
-
-    def to_metadata(self) -> dict[str, str]:
-        return asdict(self)
-
-    @classmethod
-    def from_metadata(cls, meta: dict[str, str] | None) -> Manifest:
-        """Raises KeyError naming the first missing field."""
-        meta = meta or {}
-        missing = [f.name for f in fields(cls) if f.name not in meta and f.default is MISSING]
-        if missing:
-            raise KeyError(missing[0])
-        return cls(**{f.name: meta[f.name] for f in fields(cls) if f.name in meta})
-
-
-@dataclass(frozen=True)
-class Expected:
-    """The manifest fields a file must match to be used (everything but checksum, name and time)."""
-
-    model: str
-    dtype: str
-    storage: str
-    token_ids: tuple[int, ...]
-
-    @property
-    def token_hash(self) -> str:
-        return token_hash(self.token_ids)
+__all__ = ["Cleared", "DiskFolder", "DiskRead", "DiskStore", "Expected", "FORMAT", "Manifest", "SUFFIX", "StoredFile",
+           "tensors_checksum", "token_hash", "transformers_version"]  # the manifest's names too, for callers of the store
 
 
 @dataclass(frozen=True)
@@ -84,27 +43,6 @@ class DiskRead:
     path: Path
     packed: Packed | None = None
     problem: str | None = None
-
-
-@dataclass(frozen=True)
-class StoredFile:
-    """One file of the store, as ``cache ls`` shows it. ``manifest`` is None when the header is unreadable."""
-
-    path: Path
-    size: int
-    manifest: Manifest | None
-    problem: str | None = None
-
-
-@dataclass(frozen=True)
-class Cleared:
-    files: int
-    bytes: int
-
-
-def token_hash(token_ids: tuple[int, ...] | list[int]) -> str:
-    """SHA-256 of the token ids as comma-separated decimals (portable across platforms)."""
-    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
 
 
 def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -123,8 +61,8 @@ def transformers_version() -> str:
     return transformers.__version__
 
 
-class DiskStore:
-    """A folder of stored prefixes.
+class DiskStore(DiskFolder):
+    """A folder of stored prefixes that reads and writes their tensors (listing: :class:`DiskFolder`).
 
     Thread safety: writes go to a per-process temporary name and are renamed
     into place, so concurrent writers of the same prefix leave one whole file.
@@ -133,21 +71,6 @@ class DiskStore:
         CacheStoreError: ``root`` exists and is not a folder, cannot be created, or
             (``create=False``) does not exist.
     """
-
-    def __init__(self, root: str | Path, create: bool = True):
-        self.root = Path(root).expanduser()
-        if self.root.exists() and not self.root.is_dir():
-            raise CacheStoreError(f"--cache-dir {self.root} is a file; pass a folder")
-        if not create and not self.root.is_dir():
-            raise CacheStoreError(f"{self.root}: no such cache folder")
-        if create:
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise CacheStoreError(f"cannot create --cache-dir {self.root}: {exc.strerror}") from None
-
-    def path(self, digest: str, storage: str) -> Path:
-        return self.root / f"{digest}.{storage}{SUFFIX}"
 
     def read(self, digest: str, storage: KVStorage, expected: Expected, device: torch.device | str = "cpu") -> DiskRead:
         """Load a stored prefix if there is a good one. Does not modify the file.
@@ -202,28 +125,6 @@ class DiskStore:
                 staging.unlink()
         return path
 
-    def files(self) -> list[StoredFile]:
-        """Every stored prefix file, with its manifest read from the header only (data is not loaded)."""
-        out = []
-        for path in sorted(self.root.glob(f"*{SUFFIX}")):
-            size = path.stat().st_size
-            try:
-                with safe_open(str(path), framework="pt") as fh:
-                    out.append(StoredFile(path, size, Manifest.from_metadata(fh.metadata())))
-            except SafetensorError as exc:
-                out.append(StoredFile(path, size, None, f"unreadable ({exc})"))
-            except KeyError as exc:
-                out.append(StoredFile(path, size, None, f"missing manifest field {exc}"))
-        return out
-
-    def clear(self) -> Cleared:
-        """Delete every stored prefix file (and stale temporary files). Other files in the folder are kept."""
-        count = size = 0
-        for path in [*self.root.glob(f"*{SUFFIX}"), *self.root.glob(f".*{SUFFIX}.tmp*")]:
-            size += path.stat().st_size
-            path.unlink()
-            count += 1
-        return Cleared(count, size)
 
 
 def _mismatch(manifest: Manifest, expected: Expected) -> str | None:

@@ -36,104 +36,22 @@ import hashlib
 import logging
 import threading
 import time
-from abc import ABC, abstractmethod
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar, Literal, Sequence
+from typing import Literal, Sequence
 
 import torch
 
 from ..errors import PoolBudgetError
-from .kv import KVShape, PrefixKV
 from ..model.load import LoadedModel
-from .layouts import STORAGES, KVStorage, Packed
+from .config import PoolConfig, format_bytes
 from .disk import DiskStore, Expected
+from .eviction import POLICIES, EvictionPolicy
+from .kv import KVShape, PrefixKV
+from .layouts import STORAGES, KVStorage, Packed
 
 log = logging.getLogger(__name__)
 
 Source = Literal["memory", "disk", "extended", "computed"]
-
-
-# ---------------------------------------------------------------------------
-# Eviction policies
-# ---------------------------------------------------------------------------
-
-
-class EvictionPolicy(ABC):
-    """Orders entries for eviction. The pool calls it under its lock and skips pinned entries itself.
-
-    Contract: every key given to ``insert`` is in ``order()`` until ``remove``; ``order()``
-    lists the first to evict first.
-    """
-
-    name: ClassVar[str]
-
-    @abstractmethod
-    def insert(self, key: str) -> None: ...
-
-    @abstractmethod
-    def access(self, key: str) -> None: ...
-
-    @abstractmethod
-    def remove(self, key: str) -> None: ...
-
-    @abstractmethod
-    def order(self) -> list[str]: ...
-
-
-class LRUPolicy(EvictionPolicy):
-    """Least recently used first."""
-
-    name = "lru"
-
-    def __init__(self):
-        self._recent: OrderedDict[str, None] = OrderedDict()  # oldest first
-
-    def insert(self, key: str) -> None:
-        self._recent[key] = None
-        self._recent.move_to_end(key)
-
-    def access(self, key: str) -> None:
-        self._recent.move_to_end(key)
-
-    def remove(self, key: str) -> None:
-        self._recent.pop(key, None)
-
-    def order(self) -> list[str]:
-        return list(self._recent)
-
-
-class LFUPolicy(EvictionPolicy):
-    """Least frequently used first; among equal counts, least recently used first.
-
-    Inserting counts as the first use. Counts are forgotten when an entry leaves.
-    """
-
-    name = "lfu"
-
-    def __init__(self):
-        self._uses: dict[str, tuple[int, int]] = {}  # key -> (count, last tick)
-        self._tick = 0
-
-    def _touch(self, key: str, count: int) -> None:
-        self._tick += 1
-        self._uses[key] = (count, self._tick)
-
-    def insert(self, key: str) -> None:
-        self._touch(key, 1)
-
-    def access(self, key: str) -> None:
-        self._touch(key, self._uses[key][0] + 1)
-
-    def remove(self, key: str) -> None:
-        self._uses.pop(key, None)
-
-    def order(self) -> list[str]:
-        return sorted(self._uses, key=self._uses.__getitem__)
-
-
-POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRUPolicy, LFUPolicy)}
-"""``--eviction`` name -> policy class."""
 
 
 # ---------------------------------------------------------------------------
@@ -155,31 +73,6 @@ class PrefixKey:
         dtype = str(loaded.dtype).removeprefix("torch.")
         digest = hashlib.sha256(f"{loaded.identity}\0{dtype}\0{','.join(map(str, token_ids))}".encode()).hexdigest()
         return cls(digest[:40], loaded.identity, dtype, len(token_ids))
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    """How a pool behaves. CLI defaults are read from here.
-
-    Attributes:
-        budget_bytes: most bytes the held entries may take together.
-        eviction: a key of :data:`POLICIES`.
-        storage: a key of :data:`~prefixcache.cache.layouts.STORAGES`.
-        min_shared_tokens: shortest leading part worth reusing from another entry.
-    """
-
-    budget_bytes: int = 256 * 2**20
-    eviction: str = "lru"
-    storage: str = "float"
-    min_shared_tokens: int = 8
-
-    def __post_init__(self):
-        if self.budget_bytes < 1:
-            raise ValueError("budget_bytes must be positive")
-        if self.eviction not in POLICIES:
-            raise ValueError(f"eviction must be one of {', '.join(POLICIES)}, not {self.eviction!r}")
-        if self.storage not in STORAGES:
-            raise ValueError(f"storage must be one of {', '.join(STORAGES)}, not {self.storage!r}")
 
 
 @dataclass(frozen=True)
@@ -462,39 +355,3 @@ def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-# ---------------------------------------------------------------------------
-# Sizes
-# ---------------------------------------------------------------------------
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "kib": 2**10,
-    "m": 10**6, "mb": 10**6, "mib": 2**20,
-    "g": 10**9, "gb": 10**9, "gib": 2**30,
-}
-
-
-def parse_bytes(text: str) -> int:
-    """``"256MB"`` -> 256_000_000, ``"1.5GiB"``, ``"4096"``. Decimal (kB, MB, GB) and binary (KiB, MiB, GiB) units.
-
-    Raises:
-        ValueError: not a positive size.
-    """
-    raw = text.strip().lower().replace(" ", "").replace("_", "")
-    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = raw[len(number):]
-    if unit not in _UNITS or not number:
-        raise ValueError(f"not a size: {text!r} (examples: 256MB, 1.5GiB, 4096)")
-    value = float(number) * _UNITS[unit]
-    if value < 1:
-        raise ValueError(f"a size must be at least 1 byte, not {text!r}")
-    return int(value)
-
-
-def format_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"

@@ -1,1 +1,1 @@
-"""cli."""
+"""The command line: ``app`` (the typer app) in :mod:`.app`, one module per command, and :mod:`.boundary`."""

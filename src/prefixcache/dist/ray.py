@@ -138,7 +138,7 @@ class PrefixClassifier:
         self.classifier = Classifier(loaded, spec.task, spec.method, pool=prefix_pool(spec.cache_dir))
         self.prefix_source = "computed"
         self.prefix_seconds = 0.0
-        if spec.config.mode != "full":
+        if spec.config.mode.uses_prefix:
             started = time.perf_counter()
             self.classifier.prefix  # noqa: B018 - build (or load) it now, not in the first batch
             self.prefix_seconds = time.perf_counter() - started

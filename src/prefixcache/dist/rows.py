@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..run.classify import Prediction, Record
+from ..types import Prediction, Record
 
 
 

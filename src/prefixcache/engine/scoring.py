@@ -16,38 +16,10 @@ This module knows nothing about caches or batching.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..spec.prompt import Prompt
-
-
-@dataclass(frozen=True)
-class LabelScores:
-    """Scores of one record: normalized log-probs per label, in the task's label order."""
-
-    labels: tuple[str, ...]
-    logprobs: tuple[float, ...]
-
-    @property
-    def best(self) -> int:
-        return max(range(len(self.logprobs)), key=self.logprobs.__getitem__)
-
-    @property
-    def label(self) -> str:
-        return self.labels[self.best]
-
-    @property
-    def probabilities(self) -> dict[str, float]:
-        total = torch.tensor(self.logprobs, dtype=torch.float64).exp()
-        return {label: float(p) for label, p in zip(self.labels, total)}
-
-    @property
-    def margin(self) -> float:
-        """Log-prob gap between the best and the second-best label (0 when there is one label)."""
-        ordered = sorted(self.logprobs, reverse=True)
-        return ordered[0] - ordered[1] if len(ordered) > 1 else float("inf")
+from ..types import LabelScores
 
 
 class LabelHead:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import InputError
-from ..run.classify import Classifier, Record, RunConfig
-from ..engine.scoring import LabelScores
+from ..run.classify import Classifier
+from ..types import LabelScores, Record, RunConfig
 
 CONTENT_FREE = ("N/A", "", "[MASK]")
 

@@ -30,7 +30,8 @@ from .calibration import Prior, calibrate, content_free_prior
 from ..errors import InputError
 from .metrics import Metrics, compute_metrics
 from ..model.load import LoadedModel
-from ..run.classify import Classifier, Record, RunConfig, RunStats, warmup
+from ..run.classify import Classifier, warmup
+from ..types import Record, RunConfig, RunStats
 from ..spec.selection import first_examples, overlapping_rows, resolve_examples
 from ..spec.task import Task
 

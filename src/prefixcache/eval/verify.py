@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from ..run.classify import Classifier, Prediction, Record, RunConfig, RunStats
+from ..run.classify import Classifier
+from ..types import Prediction, Record, RunConfig, RunStats
 
 
 @dataclass(frozen=True)

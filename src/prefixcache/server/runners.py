@@ -37,7 +37,8 @@ from ..run.loop import BoundTask, WorkItem
 from ..run.extract import Extractor
 from ..model.load import LoadedModel
 from ..cache.pool import PrefixKey, PrefixPool
-from ..run.classify import Classifier, Record, RunConfig
+from ..run.classify import Classifier
+from ..types import Record, RunConfig
 from ..spec.task import ExtractTask, Task
 from .errors import ItemError, TaskUploadError
 from .settings import ServerSettings

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from ..run.classify import Record
+from ..types import Record
 
 Scalar = Union[str, int, float]
 

@@ -36,7 +36,7 @@ from typing import Sequence
 from ..errors import PoolBudgetError
 from ..model.load import LoadedModel
 from ..cache.pool import PoolConfig, PrefixPool
-from ..run.classify import Record
+from ..types import Record
 from ..spec.task import ExtractTask, Task
 from .batcher import MicroBatcher
 from .errors import RequestLimitError, TaskUploadError, UnknownTaskError, WrongTaskKindError

@@ -1,6 +1,6 @@
 """Server settings: one frozen dataclass, the single source of every limit and default.
 
-The CLI's ``serve`` options mirror these defaults (a test keeps them in step).
+The CLI's ``serve`` options read their defaults from here.
 The API key is never a command-line flag (it would show in ``ps``): it comes
 from ``PREFIXCACHE_API_KEY`` through :meth:`ServerSettings.from_env`.
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields, replace
 
+from ..cache.config import PoolConfig
 from .errors import SettingsError
 
 API_KEY_ENV = "PREFIXCACHE_API_KEY"
@@ -35,7 +36,7 @@ class ServerSettings:
         max_prefix_tokens: largest prefix an uploaded task may have (422 above it); start-up tasks are not limited.
         cache_budget_bytes: byte budget of the prefix pool that holds every task's prefix (least recently
             used prefixes are evicted, and rebuilt on their next use, to stay within it; the default is
-            ``prefixcache.cache.pool.PoolConfig``'s, 256 MiB).
+            :class:`~prefixcache.cache.config.PoolConfig`'s, 256 MiB).
         method: label scoring method for every task (``auto``, ``first-token``, ``full``).
         api_key: when set, every endpoint but ``/healthz`` and the static page needs
             ``Authorization: Bearer <api_key>``. Never printed (``repr=False``).
@@ -51,7 +52,7 @@ class ServerSettings:
     max_item_tokens: int = 512
     max_body_bytes: int = 1 << 20
     max_prefix_tokens: int = 8192
-    cache_budget_bytes: int = 256 * 2**20  # = PoolConfig().budget_bytes (not imported: pool.py imports torch)
+    cache_budget_bytes: int = PoolConfig.budget_bytes
     method: str = "auto"
     api_key: str | None = field(default=None, repr=False)
 

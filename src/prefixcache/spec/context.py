@@ -25,9 +25,9 @@ from typing import Mapping
 import torch
 
 from ..errors import InputError
+from ..types import OVERFLOW
 from .prompt import Encoded, Prompt
 
-OVERFLOW = ("error", "truncate")
 FIRST_PROBE_CHARS_PER_TOKEN = 8  # the first cut tried is this many characters per context token
 
 

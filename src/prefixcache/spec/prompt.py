@@ -32,12 +32,12 @@ from ..errors import InputError, LabelCollisionError, PromptError
 from .restart import Restart, tokenize_prompts
 from .selection import resolve_examples
 from .task import Task
+from ..types import METHODS
 
 SENTINEL = "\u27e6RECORD\u27e7"
 MAX_HEAL = 8
 # Suffix openings that stress the boundary: letters, case, digits, spaces, punctuation, non-ASCII.
 BOUNDARY_PROBES = ("a", "A", "the", "The", " x", "  y", "1", "42", "?", "!", ".", ",", "-", "'s", '"q', "\u00e9t\u00e9", "\u65e5\u672c", "\n", "\t")
-METHODS = ("auto", "first-token", "full")
 
 
 @dataclass(frozen=True)

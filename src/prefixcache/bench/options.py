@@ -1,0 +1,36 @@
+"""What ``prefixcache bench`` runs (:class:`BenchOptions`), without torch: the CLI reads its defaults here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model.catalog import DEFAULT_MODEL
+
+SWEEP_TARGETS = (150, 300, 600, 1000, 1500, 2000)  # prefix lengths (tokens) of ``bench --sweep-prefix``
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What ``prefixcache bench`` runs. Defaults reproduce the published workload's shape.
+
+    Attributes:
+        task: the task whose prefix is cached (a classification or an extraction task).
+        items: synthetic tickets (20-35 tokens each) run in every lane.
+        model, model_config, dtype, threads: the model (``model_config``: random weights of that architecture).
+        batch_size: records per forward pass in the batched lanes.
+        llama_cpp: add the llama.cpp lane when llama-cpp-python is installed.
+        sweep_targets: prefix lengths of the prefix sweep (empty: no sweep).
+        sweep_full_items, sweep_items: records per sweep step in the full and the batched lane.
+    """
+
+    task: str = "tickets-compact"
+    items: int = 600
+    model: str = DEFAULT_MODEL
+    model_config: str | None = None
+    dtype: str = "auto"
+    threads: int | None = None
+    batch_size: int = 32
+    llama_cpp: bool = True
+    sweep_targets: tuple[int, ...] = ()
+    sweep_full_items: int = 16
+    sweep_items: int = 128

@@ -1,0 +1,73 @@
+"""``prefixcache bench``: every mode (and llama.cpp) timed on the same records in one run.
+Every default is :class:`~prefixcache.bench.options.BenchOptions`'."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..bench.options import SWEEP_TARGETS, BenchOptions
+from ..model.catalog import DTYPE_CHOICES
+from .boundary import boundary, choice, err, out
+from .loading import quiet_transformers
+from .options import DtypeOpt, ThreadsOpt
+from .reports import timing_table
+
+BENCH = BenchOptions()
+
+
+@boundary
+def bench(
+    task: str = typer.Option(BENCH.task, "--task", help="Task whose prefix is cached (default: ~145 tokens, 3 labels)."),
+    items: int = typer.Option(BENCH.items, "--items", min=1, help="Number of synthetic tickets (20-35 tokens each)."),
+    model: str = typer.Option(BENCH.model, "--model", help="Embedded name, .gguf path, HF id or local folder."),
+    model_config: Optional[str] = typer.Option(None, "--model-config", help="Architecture for --random-weights: qwen2.5-0.5b."),
+    random_weights: bool = typer.Option(False, "--random-weights", help="Random weights of --model-config (speed only)."),
+    dtype: str = DtypeOpt,
+    threads: Optional[int] = ThreadsOpt,
+    batch_size: int = typer.Option(BENCH.batch_size, "--batch-size", min=1, help="Records per forward pass (batched mode)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every figure as one JSON object."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write the mode comparison as a PNG chart."),
+    sweep: bool = typer.Option(False, "--sweep-prefix", help="Also time full vs batched at prefixes of ~150 to 2,000 tokens."),
+    sweep_plot: Optional[Path] = typer.Option(None, "--sweep-plot", help="PNG for the prefix sweep (default: next to --plot)."),
+    no_llama_cpp: bool = typer.Option(False, "--no-llama-cpp", help="Skip the llama.cpp lane."),
+):
+    """Time full, cached, batched (and llama.cpp) on the same records in one run; report ratios and % of peak."""
+    from ..bench.lanes import run_bench
+
+    if random_weights != bool(model_config):
+        raise typer.BadParameter("--random-weights and --model-config go together")
+    options = BenchOptions(
+        task=task, items=items, model=model, model_config=model_config, dtype=choice(dtype, DTYPE_CHOICES, "--dtype"),
+        threads=threads, batch_size=batch_size, llama_cpp=not no_llama_cpp,
+        sweep_targets=SWEEP_TARGETS if sweep else (),
+    )
+    quiet_transformers()
+    report, document = run_bench(options, log=lambda line: err.print(line, highlight=False))
+    out.print(timing_table(report.results, document_title(document)))
+    if json_path:
+        json_path.write_text(json.dumps(document, indent=2))
+        err.print(f"wrote {json_path}")
+    if plot or sweep_plot:
+        write_plots(report, document, plot, sweep_plot)
+
+
+def write_plots(report, document: dict, plot: Optional[Path], sweep_plot: Optional[Path]) -> None:
+    """The mode chart at ``plot``; the prefix sweep's chart at ``sweep_plot`` (default: next to ``plot``)."""
+    from ..bench.lanes import SweepPoint
+    from ..bench.plots import plot_modes, plot_sweep
+
+    if plot:
+        err.print(f"wrote {plot_modes(report.results, plot, document_title(document))}")
+    if "sweep" in document:
+        target = sweep_plot or (plot.with_name(plot.stem + "-sweep.png") if plot else Path("bench-sweep.png"))
+        points = [SweepPoint(p["prefix_tokens"], p["examples"], p["full_ms_per_item"], p["batched_ms_per_item"])
+                  for p in document["sweep"]]
+        err.print(f"wrote {plot_sweep(points, target, 'per-item time vs prefix length: ' + document['model'])}")
+
+
+def document_title(document: dict) -> str:
+    return f"{document['model']} | {document['items']} items | prefix {document['prefix_tokens']} tok | {document['threads']} threads"

@@ -1,0 +1,69 @@
+"""The CLI's boundary: where domain errors become one-line messages and exit codes.
+
+Exit codes: 0 success, 1 verification disagreement or a record failed, 2 a usage
+or input error (the message says what to do). ``PREFIXCACHE_DEBUG=1`` re-raises.
+
+Also here: the two consoles (results on standard output, everything else on standard error) and
+the checks that turn an option's bad value into a usage error naming the option.
+This module imports neither torch nor the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Callable, Iterable, TypeVar
+
+import typer
+from rich.console import Console
+
+from ..errors import PrefixCacheError
+
+err = Console(stderr=True)
+out = Console(width=None if sys.stdout.isatty() else 120)
+
+T = TypeVar("T")
+
+
+def boundary(fn):
+    """Turn domain errors into a one-line message and exit code 2 (unless PREFIXCACHE_DEBUG is set)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PrefixCacheError as exc:
+            if os.environ.get("PREFIXCACHE_DEBUG"):
+                raise
+            err.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def choice(value: str, choices: Iterable[str], name: str) -> str:
+    """``value`` if it is one of ``choices``, else a usage error naming the option ``name``."""
+    choices = list(choices)
+    if value not in choices:
+        raise typer.BadParameter(f"{name} must be one of {', '.join(choices)}")
+    return value
+
+
+def parsed(parse: Callable[[str], T], value: str, name: str) -> T:
+    """``parse(value)``; a ``ValueError`` becomes a usage error naming the option ``name``."""
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=name) from None
+
+
+def flag(ctx: typer.Context, name: str) -> str:
+    """The command line spelling of parameter ``name`` (``ray_address`` -> ``--ray-address``)."""
+    return next(p.opts[0] for p in ctx.command.params if p.name == name)
+
+
+def given(ctx: typer.Context, name: str) -> bool:
+    """Whether the option was set by the user (command line or environment), not left at its default."""
+    source = ctx.get_parameter_source(name)  # a ParameterSource of click, or of the click that typer vendors
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")

@@ -1,0 +1,45 @@
+"""``prefixcache cache ls|clear``: the prefix pool's disk tier (``--cache-dir``). Reads headers only: no torch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from ..cache.config import format_bytes
+from ..cache.manifest import DiskFolder
+from .boundary import boundary, err, out
+
+cache_app = typer.Typer(no_args_is_help=True, help="The prefix pool's disk tier (--cache-dir): list or clear stored prefixes.")
+CacheDirArg = typer.Option(..., "--cache-dir", help="The folder given to --cache-dir.")
+
+
+@cache_app.command("ls")
+@boundary
+def cache_ls(cache_dir: Path = CacheDirArg, as_json: bool = typer.Option(False, "--json", help="One JSON object per line.")):
+    """List stored prefixes with their manifests (headers only; data is not read)."""
+    files = DiskFolder(cache_dir, create=False).files()
+    if as_json:
+        for f in files:
+            print(json.dumps({"file": f.path.name, "bytes": f.size, "manifest": f.manifest and f.manifest.to_metadata(), "problem": f.problem}))
+        return
+    table = Table(title=f"{cache_dir}: {len(files)} stored prefixes, {format_bytes(sum(f.size for f in files))}")
+    for col in ("file", "task", "model", "dtype", "storage", "tokens", "size", "created"):
+        table.add_column(col)
+    for f in files:
+        m = f.manifest
+        if m is None:
+            table.add_row(f.path.name, f"[red]{f.problem}[/]", "", "", "", "", format_bytes(f.size), "")
+        else:
+            table.add_row(f.path.name[:16], m.name, m.model, m.dtype, m.storage, m.tokens, format_bytes(f.size), m.created)
+    out.print(table)
+
+
+@cache_app.command("clear")
+@boundary
+def cache_clear(cache_dir: Path = CacheDirArg):
+    """Delete every stored prefix in the folder (other files are left alone)."""
+    cleared = DiskFolder(cache_dir, create=False).clear()
+    err.print(f"removed {cleared.files} stored prefixes ({format_bytes(cleared.bytes)}) from {cache_dir}")

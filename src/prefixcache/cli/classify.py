@@ -1,0 +1,143 @@
+"""``prefixcache classify``: one JSON line per record, locally (resumable) or on Ray workers."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..io.journal import ON_ERROR
+from ..types import METHODS, MODES, OVERFLOW, RunConfig
+from .boundary import boundary, choice, err, flag, given
+from .loading import make_pool, progress, setup_classifier
+from .options import (
+    RUN, BatchOpt, CacheBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, IdFieldOpt, KVStorageOpt, MethodOpt, ModelOpt,
+    ModeOpt, TaskOpt, TextFieldOpt,
+)
+from .reports import report_pool
+
+RAY_ONLY = ("ray_address", "workers", "num_gpus")  # classify options that mean something only with --ray
+NOT_WITH_RAY = {  # classify options that a Ray run cannot honour, and why
+    "resume": "a Ray run writes a new folder of parts; rerun into a new --out folder",
+    "window": "Ray workers are handed 4 x --batch-size rows per call; there is no output window to flush",
+    "cache_budget": "each Ray worker keeps the one prefix it needs; --cache-dir shares it between workers",
+    "kv_storage": "Ray workers store their prefix in float",
+    "eviction": "each Ray worker keeps the one prefix it needs",
+}
+
+
+@boundary
+def classify(
+    ctx: typer.Context,
+    input: str = typer.Argument(..., help="Input .csv, .jsonl, .parquet (with --ray also a folder or URI), or - for JSONL on stdin."),
+    task: str = TaskOpt,
+    model: str = ModelOpt,
+    mode: str = ModeOpt,
+    batch_size: int = BatchOpt,
+    method: str = MethodOpt,
+    text_field: str = TextFieldOpt,
+    id_field: Optional[str] = IdFieldOpt,
+    out_path: Optional[Path] = typer.Option(None, "--out", help="Output JSONL (default: stdout); with --ray a folder for JSONL parts."),
+    dtype: str = DtypeOpt,
+    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores; with --ray per worker, default 1)."),
+    cache_budget: Optional[str] = CacheBudgetOpt,
+    cache_dir: Optional[Path] = CacheDirOpt,
+    kv_storage: str = KVStorageOpt,
+    eviction: str = EvictionOpt,
+    on_error: str = typer.Option(ON_ERROR[0], "--on-error", help="A failed record: skip (error line, go on) or fail (stop there)."),
+    overflow: str = typer.Option(RUN.overflow, "--overflow", help="A record past the model's context: error, or truncate (flagged)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the job in --out: keep its complete lines, run the rest."),
+    window: int = typer.Option(RUN.window, "--window", min=1, help="Records length-sorted and written together; "
+                               "with --out, the unit that is flushed and fsynced (a kill loses at most one)."),
+    ray: bool = typer.Option(False, "--ray", help="Run on a pool of Ray actors (needs the 'ray' extra); see docs/scale-out.md."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --ray: a running cluster (auto, HOST:6379, "
+                                              "ray://HOST:10001); default: start a local Ray."),
+    workers: int = typer.Option(2, "--workers", min=1, help="With --ray: worker processes, each with its own model and prefix."),
+    num_gpus: float = typer.Option(0.0, "--num-gpus", min=0, help="With --ray: GPUs per worker (a fraction shares one)."),
+):
+    """Classify every record; write one JSON line per record: id, label, scores, margin (or error).
+
+    Exit code 0: all classified; 1: some record failed (its line has "error"); 2: stopped (bad usage, an
+    unreadable file, or --on-error fail). With --out --resume a killed job continues where it stopped.
+    With --ray the records are read and classified on Ray workers; --out then names a folder of parts.
+    """
+    config = RunConfig(choice(mode, MODES, "--mode"), batch_size, window, choice(overflow, OVERFLOW, "--overflow"))
+    policy = choice(on_error, ON_ERROR, "--on-error")
+    check_ray_options(ctx, ray, input, policy)
+    if ray:
+        return classify_on_ray(input, task, model, config, method, text_field, id_field, out_path, dtype, threads,
+                               cache_dir, ray_address, workers, num_gpus)
+    if resume and out_path is None:
+        raise typer.BadParameter("--resume needs --out: the output file is what it resumes")
+    cache = (cache_budget, cache_dir, kv_storage, eviction)
+    classify_here(input, task, model, config, method, text_field, id_field, out_path, dtype, threads, cache, policy, resume)
+
+
+def classify_here(input, task, model, config: RunConfig, method, text_field, id_field, out_path, dtype, threads, cache,
+                  policy: str, resume: bool) -> None:
+    """The local run: read every record, skip what ``--resume`` recovered, classify the rest into the journal.
+    ``cache``: the pool options, as :func:`~prefixcache.cli.loading.make_pool` takes them."""
+    from ..io import records as data
+    from ..io.journal import Recovered, check_matches, recover, write_predictions
+    from ..types import RunStats
+
+    records = list(data.scan_records(input, text_field, id_field))
+    done = recover(out_path) if resume else Recovered()
+    check_matches(done, records, out_path)
+    classifier = setup_classifier(task, model, dtype, threads, method, make_pool(*cache))
+    stats = RunStats()
+    with (open(out_path, "a" if resume else "w", encoding="utf-8") if out_path else nullcontext(sys.stdout)) as sink:
+        with progress(len(records), f"classify [{config.mode}]") as bar:
+            bar.update(done.lines)
+            predictions = classifier.classify(records[done.lines:], config, progress=bar.update, stats=stats)
+            written = write_predictions(predictions, sink, policy, sync_every=config.window if out_path else None)
+    err.print(
+        f"{stats.records} records in {stats.seconds:.1f} s ({stats.records / max(stats.seconds, 1e-9):.1f} rec/s), "
+        f"{written.failed} errors, {written.flagged} flagged, {stats.boundary_fallbacks} boundary fallbacks"
+        + (f"; resumed after {done.lines} lines ({done.failed} errors)" if resume else "")
+        + (f", cut a torn last line of {done.cut_bytes} bytes" if done.cut_bytes else "")
+        + (f"; wrote {out_path}" if out_path else "")
+    )
+    report_pool(classifier.pool)
+    if done.failed + written.failed:
+        raise typer.Exit(1)
+
+
+def check_ray_options(ctx: typer.Context, ray: bool, input: str, on_error: str) -> None:
+    """Refuse option combinations that mean nothing with (or without) ``--ray``, naming the options."""
+    if not ray:
+        named = [flag(ctx, name) for name in RAY_ONLY if given(ctx, name)]
+        if named:
+            verb, them = ("needs", "it") if len(named) == 1 else ("need", "them")
+            raise typer.BadParameter(f"{', '.join(named)} {verb} --ray: add --ray, or drop {them} for a local run")
+        return
+    for name, why in NOT_WITH_RAY.items():
+        if given(ctx, name):
+            raise typer.BadParameter(f"{flag(ctx, name)} does not work with --ray: {why}")
+    if on_error == "fail":
+        raise typer.BadParameter("--on-error fail does not work with --ray: a failed record becomes an error line "
+                                 "(as with --on-error skip) and the exit code is 1")
+    if input == "-":
+        raise typer.BadParameter("--ray reads files, not stdin: write the input to a .jsonl file and pass its path")
+
+
+def classify_on_ray(input, task, model, config: RunConfig, method, text_field, id_field, out_path, dtype, threads,
+                    cache_dir, ray_address, workers, num_gpus) -> None:
+    """``classify --ray``: the job is :func:`prefixcache.dist.run_ray_classify`; it prints the summary
+    (items/s per worker and in total) through ``log``, on standard error, and the exit code follows its errors."""
+    from ..dist import run_ray_classify
+    from ..model.catalog import DTYPE_CHOICES
+
+    def log(line: str) -> None:
+        err.print(line, markup=False, highlight=False, soft_wrap=True)  # unwrapped: the summary is a table
+
+    summary = run_ray_classify(
+        input, out_path, task, model, workers, ray_address, num_gpus, config.batch_size, text_field, id_field,
+        choice(dtype, DTYPE_CHOICES, "--dtype"), threads, log,
+        method=choice(method, METHODS, "--method"), mode=config.mode.value, overflow=config.overflow, cache_dir=cache_dir,
+    )
+    if summary.errors:
+        raise typer.Exit(1)

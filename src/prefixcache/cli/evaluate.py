@@ -1,0 +1,60 @@
+"""``prefixcache eval``: a task scored against gold labels, optionally calibrated or swept over example counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .boundary import boundary, err, out
+from .loading import setup_classifier
+from .options import BatchOpt, DtypeOpt, IdFieldOpt, MethodOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt
+
+
+@boundary
+def eval_(
+    input: str = typer.Argument(..., help="Labelled input .csv, .jsonl, .parquet, or - for JSONL on stdin."),
+    task: str = TaskOpt,
+    label_field: str = typer.Option("label", "--label-field", help="Field holding each record's gold label."),
+    model: str = ModelOpt,
+    batch_size: int = BatchOpt,
+    method: str = MethodOpt,
+    text_field: str = TextFieldOpt,
+    id_field: Optional[str] = IdFieldOpt,
+    calibrate: bool = typer.Option(False, "--calibrate", help="Also report contextual calibration, in the same run."),
+    content_free: Optional[list[str]] = typer.Option(
+        None, "--content-free",
+        help="A content-free input for calibration (repeatable; implies --calibrate; default: 'N/A', '', '[MASK]').",
+    ),
+    sweep_examples: Optional[str] = typer.Option(
+        None, "--sweep-examples", help="Example counts such as 0,3,6,12,24: one run each, drawn from examples + example_pool."
+    ),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sweep's example order (default: the task's select.seed, else 0)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG: the confusion matrix, or accuracy and ms/item per sweep step."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    dtype: str = DtypeOpt,
+    threads: Optional[int] = ThreadsOpt,
+):
+    """Score a task against gold labels: accuracy, macro-F1, per-label precision/recall, confusion matrix."""
+    from ..eval.calibration import CONTENT_FREE
+    from ..eval.evaluate import parse_steps, plan_eval, run_eval
+    from ..eval.report import check_plotting, emit
+    from ..io import records as data
+    from ..spec.task import load_task
+
+    if plot:
+        check_plotting()
+    steps = parse_steps(sweep_examples) if sweep_examples is not None else None
+    plan = plan_eval(load_task(task), data.read_records(input, text_field, id_field), label_field, steps, seed)
+    classifier = setup_classifier(task, model, dtype, threads, method)
+    neutral = tuple(content_free) if content_free else CONTENT_FREE if calibrate else None
+
+    def progress(r):
+        err.print(
+            f"{r.examples} examples, prefix {r.prefix_tokens} tokens: "
+            f"accuracy {r.metrics.accuracy:.1%}, {r.ms_per_item:.2f} ms/item"
+        )
+
+    results = run_eval(classifier.loaded, plan, batch_size, method, neutral, on_result=progress)
+    emit(results, plan.sweep, as_json, plot, out, err)

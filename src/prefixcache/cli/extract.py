@@ -1,0 +1,74 @@
+"""``prefixcache extract``: fields generated as JSON after the cached prefix, one line per record."""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..types import MODES, RunConfig
+from .boundary import boundary, choice, err
+from .loading import make_pool, progress, setup_extractor
+from .options import (
+    BatchOpt, CacheBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, IdFieldOpt, InputArg, KVStorageOpt, ModelOpt, ModeOpt,
+    TextFieldOpt, ThreadsOpt,
+)
+from .reports import report_pool
+
+
+@boundary
+def extract(
+    input: str = InputArg,
+    task: str = typer.Option("ticket-fields", "--task", help="A bundled extraction task or a path to a task YAML (kind: extract)."),
+    model: str = ModelOpt,
+    mode: str = ModeOpt,
+    batch_size: int = BatchOpt,
+    text_field: str = TextFieldOpt,
+    id_field: Optional[str] = IdFieldOpt,
+    out_path: Optional[Path] = typer.Option(None, "--out", help="Output JSONL (default: stdout)."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, help="Override the task's max_new_tokens."),
+    dtype: str = DtypeOpt,
+    threads: Optional[int] = ThreadsOpt,
+    cache_budget: Optional[str] = CacheBudgetOpt,
+    cache_dir: Optional[Path] = CacheDirOpt,
+    kv_storage: str = KVStorageOpt,
+    eviction: str = EvictionOpt,
+):
+    """Extract the task's fields from every record by greedy generation after the cached prefix.
+
+    Writes one JSON line per record: id, fields, raw (the generated text), error (a parse failure names
+    what is wrong). Exit code 1 when any record has an error.
+    """
+    config = RunConfig(choice(mode, MODES, "--mode"), batch_size)
+    pool = make_pool(cache_budget, cache_dir, kv_storage, eviction)
+    extractor = setup_extractor(task, model, dtype, threads, pool, max_new_tokens)
+    stats = extract_into(extractor, input, text_field, id_field, config, out_path)
+    err.print(
+        f"{stats.records} records in {stats.seconds:.1f} s, {stats.tokens_generated} tokens generated "
+        f"({stats.tokens_generated / max(stats.seconds, 1e-9):.1f} tokens/s), {stats.errors} errors "
+        f"({stats.parse_errors} unparsable outputs)" + (f"; wrote {out_path}" if out_path else ""),
+        highlight=False,
+    )
+    report_pool(pool)
+    if stats.errors:
+        raise typer.Exit(1)
+
+
+def extract_into(extractor, input: str, text_field: str, id_field: Optional[str], config: RunConfig,
+                 out_path: Optional[Path]):
+    """Read the records, extract them and write one JSON line each to ``out_path`` (or stdout); the stats."""
+    from ..io import records as data
+    from ..run.extract import ExtractStats
+
+    records = list(data.read_records(input, text_field, id_field))
+    stats = ExtractStats()
+    with (open(out_path, "w", encoding="utf-8") if out_path else nullcontext(sys.stdout)) as sink:
+        with progress(len(records), f"extract [{config.mode}]") as bar:
+            for extraction in extractor.extract(records, config, progress=bar.update, stats=stats):
+                sink.write(json.dumps(extraction.to_json(), ensure_ascii=False) + "\n")
+                sink.flush()
+    return stats

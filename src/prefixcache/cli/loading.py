@@ -1,0 +1,94 @@
+"""From options to the objects a command runs: a loaded model, a classifier, an extractor, a prefix pool.
+
+Every function here imports the engine (torch, transformers) in its body, when a command runs: that
+keeps ``prefixcache --help`` and the listing commands free of it (the layers contract's one
+exception to "imports at the top"). :func:`load_model` is the seam tests replace with a fake.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..cache.config import STORAGE_NAMES, PoolConfig, parse_bytes
+from ..cache.eviction import POLICIES
+from ..model.catalog import DTYPE_CHOICES
+from ..types import METHODS
+from .boundary import choice, err, parsed
+from .options import POOL
+
+
+def load_model(spec: str, dtype: str, threads: Optional[int], **kwargs):
+    """:func:`prefixcache.model.load.load_model`, imported when a command first loads a model."""
+    from ..model.load import load_model as load
+
+    return load(spec, dtype, threads, **kwargs)
+
+
+def quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load(model: str, dtype: str, threads: Optional[int], trust_remote_code: bool = False):
+    """Load ``--model``, saying which and how long it took."""
+    dtype = choice(dtype, DTYPE_CHOICES, "--dtype")
+    quiet_transformers()
+    started = time.perf_counter()
+    loaded = load_model(model, dtype, threads, trust_remote_code=trust_remote_code)
+    seconds = time.perf_counter() - started
+    err.print(f"model {loaded.identity} ({str(loaded.dtype).removeprefix('torch.')}) loaded in {seconds:.1f} s")
+    return loaded
+
+
+def setup_classifier(task: str, model: str, dtype: str, threads: Optional[int], method: str, pool=None):
+    """A :class:`~prefixcache.run.classify.Classifier` of ``--task`` on ``--model``."""
+    from ..run.classify import Classifier
+    from ..spec.task import load_task
+
+    method = choice(method, METHODS, "--method")
+    spec = load_task(task)
+    return Classifier(load(model, dtype, threads), spec, method, pool=pool)
+
+
+def is_extract(task: str) -> bool:
+    from ..spec.task import ExtractTask, load_any_task
+
+    return isinstance(load_any_task(task), ExtractTask)
+
+
+def setup_extractor(task: str, model: str, dtype: str, threads: Optional[int], pool, max_new_tokens: Optional[int] = None):
+    """An :class:`~prefixcache.run.extract.Extractor` of ``--task`` (which must be an extraction task)."""
+    from ..run.extract import Extractor
+    from ..spec.task import ExtractTask, load_any_task
+
+    spec = load_any_task(task)
+    if not isinstance(spec, ExtractTask):
+        raise typer.BadParameter(f"task {spec.name!r} is a classification task; run it with `prefixcache classify`", param_hint="--task")
+    return Extractor(load(model, dtype, threads), spec, pool=pool, max_new_tokens=max_new_tokens)
+
+
+def make_pool(cache_budget: Optional[str], cache_dir: Optional[Path], kv_storage: str, eviction: str):
+    """A PrefixPool when any cache option is set, else None (then a classifier keeps its own prefix)."""
+    from ..cache.disk import DiskStore
+    from ..cache.pool import PrefixPool
+
+    storage = choice(kv_storage, STORAGE_NAMES, "--kv-storage")
+    policy = choice(eviction, POLICIES, "--eviction")
+    if cache_budget is None and cache_dir is None and (storage, policy) == (POOL.storage, POOL.eviction):
+        return None
+    budget = parsed(parse_bytes, cache_budget, "--cache-budget") if cache_budget else POOL.budget_bytes
+    return PrefixPool(PoolConfig(budget, policy, storage), DiskStore(cache_dir) if cache_dir else None)
+
+
+def progress(total: Optional[int], desc: str):
+    """A tqdm bar on standard error (a context manager; ``update(n)`` per record done)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="rec", file=sys.stderr, dynamic_ncols=True, smoothing=0.1)

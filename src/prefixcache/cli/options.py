@@ -1,0 +1,36 @@
+"""Options several commands share. Every default is read from the settings object that owns it
+(:class:`~prefixcache.types.RunConfig`, :class:`~prefixcache.cache.config.PoolConfig`, the model
+catalog), never typed twice. Imports nothing heavy: ``--help`` must not load torch.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from ..cache.config import STORAGE_NAMES, PoolConfig, format_bytes
+from ..cache.eviction import POLICIES
+from ..model.catalog import DEFAULT_MODEL, DTYPE_CHOICES
+from ..types import METHODS
+from ..types import MODES, RunConfig
+
+RUN = RunConfig()
+POOL = PoolConfig()
+
+TaskOpt = typer.Option("support-tickets", "--task", help="A bundled task name or a path to a task YAML.")
+ModelOpt = typer.Option(DEFAULT_MODEL, "--model", help="Embedded name, .gguf path, HF id or local folder.")
+DtypeOpt = typer.Option(DTYPE_CHOICES[0], "--dtype", help=f"One of {', '.join(DTYPE_CHOICES)}.")
+ThreadsOpt = typer.Option(None, "--threads", help="Torch threads (default: all cores).")
+MethodOpt = typer.Option(METHODS[0], "--method", help=f"Label scoring: {', '.join(METHODS)}.")
+ModeOpt = typer.Option(RUN.mode.value, "--mode", help=f"One of {', '.join(MODES)}.")
+BatchOpt = typer.Option(RUN.batch_size, "--batch-size", min=1, help="Records per forward pass (batched mode).")
+TextFieldOpt = typer.Option("text", "--text-field", help="Field holding the record's text.")
+IdFieldOpt = typer.Option(None, "--id-field", help="Field holding the record id (default: 0-based row number).")
+CacheBudgetOpt = typer.Option(
+    None, "--cache-budget",
+    help=f"Prefix pool byte budget such as 256MB (setting any cache option makes a pool; default {format_bytes(POOL.budget_bytes)}).",
+)
+CacheDirOpt = typer.Option(None, "--cache-dir", help="Disk tier: prefixes are loaded from and saved to this folder.")
+KVStorageOpt = typer.Option(POOL.storage, "--kv-storage", help=f"How the pool stores prefixes: {', '.join(STORAGE_NAMES)}.")
+EvictionOpt = typer.Option(POOL.eviction, "--eviction", help=f"Pool eviction policy: {', '.join(POLICIES)}.")
+InputArg = typer.Argument(..., help="Input .csv, .jsonl, .parquet, or - for JSONL on stdin.")
+JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of a table.")

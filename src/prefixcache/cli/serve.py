@@ -1,0 +1,60 @@
+"""``prefixcache serve``: tasks over HTTP. Every default is :class:`~prefixcache.server.settings.ServerSettings`'."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from ..cache.config import parse_bytes
+from ..server.settings import DEFAULTS as SERVER
+from ..types import METHODS
+from .boundary import boundary, choice, parsed
+from .loading import load
+from .options import DtypeOpt, MethodOpt, ModelOpt, ThreadsOpt
+
+
+@boundary
+def serve(
+    task: list[str] = typer.Option(["support-tickets"], "--task", help="A bundled task name or a YAML path; repeat for more."),
+    model: str = ModelOpt,
+    dtype: str = DtypeOpt,
+    threads: Optional[int] = ThreadsOpt,
+    method: str = MethodOpt,
+    host: str = typer.Option(SERVER.host, "--host", help="Interface to listen on (loopback by default)."),
+    port: int = typer.Option(SERVER.port, "--port", min=0, max=65535, help="Port (0 picks a free one)."),
+    max_batch: int = typer.Option(SERVER.max_batch, "--max-batch", min=1, help="Most items merged into one forward pass."),
+    max_wait_ms: float = typer.Option(SERVER.max_wait_ms, "--max-wait-ms", min=0, help="Longest an item waits for companions."),
+    arrival_gap_ms: float = typer.Option(
+        SERVER.arrival_gap_ms, "--arrival-gap-ms", min=0,
+        help="A pass that is not full starts once no item has arrived for this long.",
+    ),
+    max_queue: int = typer.Option(
+        SERVER.max_queue, "--max-queue", min=1, help="Most items in progress at once (all requests); more gets 429."
+    ),
+    max_items: int = typer.Option(SERVER.max_items, "--max-items", min=1, help="Most items per request (422 above)."),
+    max_item_tokens: int = typer.Option(SERVER.max_item_tokens, "--max-item-tokens", min=1, help="Most tokens per item (422 above)."),
+    max_body_bytes: int = typer.Option(SERVER.max_body_bytes, "--max-body-bytes", min=1, help="Largest request body (413 above)."),
+    max_prefix_tokens: int = typer.Option(
+        SERVER.max_prefix_tokens, "--max-prefix-tokens", min=1, help="Largest prefix of an uploaded task."
+    ),
+    cache_budget: Optional[str] = typer.Option(None, "--cache-budget", help="Byte budget of the server's prefix pool, such as 256MB."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run a model repository's own code (only for models you trust)."),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+):
+    """Serve tasks over HTTP with micro-batching (FastAPI on uvicorn). Set PREFIXCACHE_API_KEY to require a key.
+
+    Needs the 'serve' extra: pip install 'prefixcache[serve]'.
+    """
+    from ..server import ServerSettings, run_server
+    from ..spec.task import load_any_task
+
+    settings = ServerSettings.from_env(
+        host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms, arrival_gap_ms=arrival_gap_ms,
+        max_queue=max_queue, max_items=max_items,
+        max_item_tokens=max_item_tokens, max_body_bytes=max_body_bytes, max_prefix_tokens=max_prefix_tokens,
+        method=choice(method, METHODS, "--method"),
+        cache_budget_bytes=parsed(parse_bytes, cache_budget, "--cache-budget") if cache_budget else None,
+    )
+    specs = [load_any_task(name) for name in task]
+    run_server(load(model, dtype, threads, trust_remote_code), specs, settings, log_level)

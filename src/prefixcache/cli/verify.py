@@ -1,0 +1,98 @@
+"""``prefixcache verify``: full re-encoding against a cached mode on every record (classification or extraction)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..types import Mode, RunConfig
+from .boundary import boundary, choice
+from .loading import is_extract, make_pool, progress, setup_classifier, setup_extractor
+from .options import (
+    BatchOpt, CacheBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, IdFieldOpt, InputArg, JsonOpt, KVStorageOpt,
+    MethodOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt,
+)
+from .reports import report_agreement, report_pool, report_storage, some_ids
+
+CACHED_MODES = tuple(m.value for m in Mode if m.uses_prefix)  # what verify checks against full
+
+
+@boundary
+def verify(
+    input: str = InputArg,
+    task: str = TaskOpt,
+    model: str = ModelOpt,
+    mode: str = typer.Option(Mode.BATCHED.value, "--mode", help=f"The cached mode to check: {' or '.join(CACHED_MODES)}."),
+    batch_size: int = BatchOpt,
+    method: str = MethodOpt,
+    text_field: str = TextFieldOpt,
+    id_field: Optional[str] = IdFieldOpt,
+    as_json: bool = JsonOpt,
+    dtype: str = DtypeOpt,
+    threads: Optional[int] = ThreadsOpt,
+    cache_budget: Optional[str] = CacheBudgetOpt,
+    cache_dir: Optional[Path] = CacheDirOpt,
+    kv_storage: str = KVStorageOpt,
+    eviction: str = EvictionOpt,
+):
+    """Run full re-encoding and a cached mode on every record; exit 1 if any label (or extracted output) differs."""
+    config = RunConfig(choice(mode, CACHED_MODES, "--mode"), batch_size)
+    pool = make_pool(cache_budget, cache_dir, kv_storage, eviction)
+    if is_extract(task):
+        return verify_extract(input, task, model, config, text_field, id_field, as_json, dtype, threads, pool)
+    verify_labels(input, task, model, config, method, text_field, id_field, as_json, dtype, threads, pool)
+
+
+def verify_labels(input, task, model, config: RunConfig, method, text_field, id_field, as_json, dtype, threads, pool) -> None:
+    """``verify`` for a classification task: labels (and log-probs) of full re-encoding and the cached mode."""
+    from ..eval.verify import verify as run_verify
+    from ..io import records as data
+
+    classifier = setup_classifier(task, model, dtype, threads, method, pool)
+    records = list(data.read_records(input, text_field, id_field))
+    with progress(2 * len(records), f"verify [full + {config.mode}]") as bar:
+        result = run_verify(classifier, records, config, progress=bar.update)
+    agreement = result.agreement
+    report_agreement(
+        as_json,
+        agreement.to_json(),
+        f"verify: full vs {config.mode} ({classifier.method} scoring, {classifier.loaded.dtype})",
+        {
+            "records": str(agreement.records),
+            "agree": str(agreement.agree),
+            "agreement": f"{100 * agreement.rate:.2f}%",
+            "max |Δ log-prob|": f"{agreement.max_abs_logprob_diff:.2e}",
+            "disagreeing ids": some_ids(agreement.disagreeing_ids),
+        },
+    )
+    report_storage(classifier, records, config)
+    if not agreement.ok:
+        raise typer.Exit(1)
+
+
+def verify_extract(input, task, model, config: RunConfig, text_field, id_field, as_json, dtype, threads, pool) -> None:
+    """``verify`` for an extraction task: uncached vs cached generation must be identical, token for token."""
+    from ..io import records as data
+    from ..run.extract import verify_extract as run_verify_extract
+
+    extractor = setup_extractor(task, model, dtype, threads, pool)
+    records = list(data.read_records(input, text_field, id_field))
+    with progress(2 * len(records), f"verify extract [full + {config.mode}]") as bar:
+        agreement, _, _ = run_verify_extract(extractor, records, config, progress=bar.update)
+    report_agreement(
+        as_json,
+        agreement.to_json(),
+        f"verify extract: uncached vs {config.mode} ({extractor.loaded.dtype})",
+        {
+            "records": str(agreement.records),
+            "identical": str(agreement.identical),
+            "identical %": f"{100 * agreement.rate:.2f}%",
+            "same fields": str(agreement.same_fields),
+            "differing ids": some_ids(agreement.differing_ids),
+        },
+    )
+    report_pool(pool)
+    if not agreement.ok:
+        raise typer.Exit(1)
