@@ -14,7 +14,7 @@ from ..types import METHODS, MODES, OVERFLOW, RunConfig
 from .boundary import boundary, choice, err, flag, given
 from .loading import make_pool, progress, setup_classifier
 from .options import (
-    RUN, BatchOpt, CacheBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, IdFieldOpt, KVStorageOpt, MethodOpt, ModelOpt,
+    RUN, BatchOpt, CacheBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, HeadOpt, IdFieldOpt, KVStorageOpt, MethodOpt, ModelOpt,
     ModeOpt, TaskOpt, TextFieldOpt,
 )
 from .reports import report_pool
@@ -57,6 +57,7 @@ def classify(
                                               "ray://HOST:10001); default: start a local Ray."),
     workers: int = typer.Option(2, "--workers", min=1, help="With --ray: worker processes, each with its own model and prefix."),
     num_gpus: float = typer.Option(0.0, "--num-gpus", min=0, help="With --ray: GPUs per worker (a fraction shares one)."),
+    head: Optional[Path] = HeadOpt,
 ):
     """Classify every record; write one JSON line per record: id, label, scores, margin (or error).
 
@@ -67,17 +68,20 @@ def classify(
     config = RunConfig(choice(mode, MODES, "--mode"), batch_size, window, choice(overflow, OVERFLOW, "--overflow"))
     policy = choice(on_error, ON_ERROR, "--on-error")
     check_ray_options(ctx, ray, input, policy)
+    if ray and head is not None:
+        raise typer.BadParameter("--head does not work with --ray yet: name the head in the task file (head:) instead")
     if ray:
         return classify_on_ray(input, task, model, config, method, text_field, id_field, out_path, dtype, threads,
                                cache_dir, ray_address, workers, num_gpus)
     if resume and out_path is None:
         raise typer.BadParameter("--resume needs --out: the output file is what it resumes")
     cache = (cache_budget, cache_dir, kv_storage, eviction)
-    classify_here(input, task, model, config, method, text_field, id_field, out_path, dtype, threads, cache, policy, resume)
+    classify_here(input, task, model, config, method, text_field, id_field, out_path, dtype, threads, cache, policy, resume,
+                  head)
 
 
 def classify_here(input, task, model, config: RunConfig, method, text_field, id_field, out_path, dtype, threads, cache,
-                  policy: str, resume: bool) -> None:
+                  policy: str, resume: bool, head: Optional[Path] = None) -> None:
     """The local run: read every record, skip what ``--resume`` recovered, classify the rest into the journal.
     ``cache``: the pool options, as :func:`~prefixcache.cli.loading.make_pool` takes them."""
     from ..io import records as data
@@ -87,7 +91,7 @@ def classify_here(input, task, model, config: RunConfig, method, text_field, id_
     records = list(data.scan_records(input, text_field, id_field))
     done = recover(out_path) if resume else Recovered()
     check_matches(done, records, out_path)
-    classifier = setup_classifier(task, model, dtype, threads, method, make_pool(*cache))
+    classifier = setup_classifier(task, model, dtype, threads, method, make_pool(*cache), head)
     stats = RunStats()
     with (open(out_path, "a" if resume else "w", encoding="utf-8") if out_path else nullcontext(sys.stdout)) as sink:
         with progress(len(records), f"classify [{config.mode}]") as bar:

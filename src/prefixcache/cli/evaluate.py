@@ -9,7 +9,7 @@ import typer
 
 from .boundary import boundary, err, out
 from .loading import setup_classifier
-from .options import BatchOpt, DtypeOpt, IdFieldOpt, MethodOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt
+from .options import BatchOpt, DtypeOpt, HeadOpt, IdFieldOpt, MethodOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt
 
 
 @boundary
@@ -35,6 +35,7 @@ def eval_(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
+    head: Optional[Path] = HeadOpt,
 ):
     """Score a task against gold labels: accuracy, macro-F1, per-label precision/recall, confusion matrix."""
     from ..eval.calibration import CONTENT_FREE
@@ -46,8 +47,8 @@ def eval_(
     if plot:
         check_plotting()
     steps = parse_steps(sweep_examples) if sweep_examples is not None else None
-    plan = plan_eval(load_task(task), data.read_records(input, text_field, id_field), label_field, steps, seed)
-    classifier = setup_classifier(task, model, dtype, threads, method)
+    plan = plan_eval(load_task(task), data.read_records(input, text_field, id_field), label_field, steps, seed, head)
+    classifier = setup_classifier(task, model, dtype, threads, method, head=plan.head)
     neutral = tuple(content_free) if content_free else CONTENT_FREE if calibrate else None
 
     def progress(r):

@@ -47,14 +47,19 @@ def load(model: str, dtype: str, threads: Optional[int], trust_remote_code: bool
     return loaded
 
 
-def setup_classifier(task: str, model: str, dtype: str, threads: Optional[int], method: str, pool=None):
-    """A :class:`~prefixcache.run.classify.Classifier` of ``--task`` on ``--model``."""
+def setup_classifier(task: str, model: str, dtype: str, threads: Optional[int], method: str, pool=None,
+                     head: Optional[Path] = None):
+    """A :class:`~prefixcache.run.classify.Classifier` of ``--task`` on ``--model``, scoring through ``--head``
+    (or the task file's ``head:``) when there is one. The head file is read before the model loads."""
+    from ..engine.head_file import head_for
+
     from ..run.classify import Classifier
     from ..spec.task import load_task
 
     method = choice(method, METHODS, "--method")
     spec = load_task(task)
-    return Classifier(load(model, dtype, threads), spec, method, pool=pool)
+    fitted = head_for(spec, head)
+    return Classifier(load(model, dtype, threads), spec, method, pool=pool, head=fitted)
 
 
 def is_extract(task: str) -> bool:

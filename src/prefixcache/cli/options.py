@@ -33,4 +33,7 @@ CacheDirOpt = typer.Option(None, "--cache-dir", help="Disk tier: prefixes are lo
 KVStorageOpt = typer.Option(POOL.storage, "--kv-storage", help=f"How the pool stores prefixes: {', '.join(STORAGE_NAMES)}.")
 EvictionOpt = typer.Option(POOL.eviction, "--eviction", help=f"Pool eviction policy: {', '.join(POLICIES)}.")
 InputArg = typer.Argument(..., help="Input .csv, .jsonl, .parquet, or - for JSONL on stdin.")
+HeadOpt = typer.Option(
+    None, "--head", help="A fitted label head (prefixcache fit); overrides the task file's head:. Scores are the head's."
+)
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of a table.")

@@ -12,7 +12,7 @@ from .boundary import boundary, choice
 from .loading import is_extract, make_pool, progress, setup_classifier, setup_extractor
 from .options import (
     BatchOpt, CacheBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, IdFieldOpt, InputArg, JsonOpt, KVStorageOpt,
-    MethodOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt,
+    HeadOpt, MethodOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt,
 )
 from .reports import report_agreement, report_pool, report_storage, some_ids
 
@@ -36,21 +36,23 @@ def verify(
     cache_dir: Optional[Path] = CacheDirOpt,
     kv_storage: str = KVStorageOpt,
     eviction: str = EvictionOpt,
+    head: Optional[Path] = HeadOpt,
 ):
     """Run full re-encoding and a cached mode on every record; exit 1 if any label (or extracted output) differs."""
     config = RunConfig(choice(mode, CACHED_MODES, "--mode"), batch_size)
     pool = make_pool(cache_budget, cache_dir, kv_storage, eviction)
     if is_extract(task):
         return verify_extract(input, task, model, config, text_field, id_field, as_json, dtype, threads, pool)
-    verify_labels(input, task, model, config, method, text_field, id_field, as_json, dtype, threads, pool)
+    verify_labels(input, task, model, config, method, text_field, id_field, as_json, dtype, threads, pool, head)
 
 
-def verify_labels(input, task, model, config: RunConfig, method, text_field, id_field, as_json, dtype, threads, pool) -> None:
+def verify_labels(input, task, model, config: RunConfig, method, text_field, id_field, as_json, dtype, threads, pool,
+                  head=None) -> None:
     """``verify`` for a classification task: labels (and log-probs) of full re-encoding and the cached mode."""
     from ..eval.verify import verify as run_verify
     from ..io import records as data
 
-    classifier = setup_classifier(task, model, dtype, threads, method, pool)
+    classifier = setup_classifier(task, model, dtype, threads, method, pool, head)
     records = list(data.read_records(input, text_field, id_field))
     with progress(2 * len(records), f"verify [full + {config.mode}]") as bar:
         result = run_verify(classifier, records, config, progress=bar.update)

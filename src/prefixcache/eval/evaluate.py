@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from .calibration import Prior, calibrate, content_free_prior
+from ..engine.head import FittedHead
+from ..engine.head_file import head_for, text_hash
 from ..errors import InputError
 from .metrics import Metrics, compute_metrics
 from ..model.load import LoadedModel
@@ -53,6 +56,7 @@ class EvalPlan:
     data: LabelledRecords
     tasks: list[Task]
     sweep: bool
+    head: FittedHead | None = None  # every prompt is scored through it
 
 
 @dataclass(frozen=True)
@@ -151,8 +155,30 @@ def check_no_overlap(data: LabelledRecords, task: Task) -> None:
         )
 
 
+def check_not_fitted_on(data: LabelledRecords, head: FittedHead, task: Task) -> None:
+    """Refuse evaluation rows that ``head`` was fitted on: rows whose normalized text hash
+    (:func:`~prefixcache.engine.head_file.text_hash` of the task's fields) is in the head manifest's training hashes.
+
+    Raises:
+        InputError: naming every such row (up to :data:`MAX_NAMED_ROWS`) and its text.
+    """
+    fitted = set(head.manifest.get("training", {}).get("text_sha256", ()))
+    hits = [i for i, r in enumerate(data.records) if text_hash(r.fields, task.fields) in fitted]
+    if hits:
+        named = [f"{_row(i, data.records[i])} {data.records[i].fields.get(task.fields[0])!r}" for i in hits]
+        raise InputError(
+            f"{len(hits)} evaluation row(s) are rows the head was fitted on, so the score would be inflated: "
+            f"{_named(named)}. Evaluate on rows the head never saw (split them off before `prefixcache fit`)"
+        )
+
+
 def plan_eval(
-    task: Task, records: Iterable[Record], label_field: str, sweep: Sequence[int] | None = None, seed: int | None = None
+    task: Task,
+    records: Iterable[Record],
+    label_field: str,
+    sweep: Sequence[int] | None = None,
+    seed: int | None = None,
+    head: FittedHead | str | Path | None = None,
 ) -> EvalPlan:
     """Check the input and decide the prompts. ``sweep``: example counts, one prompt each (ascending).
 
@@ -161,8 +187,12 @@ def plan_eval(
     Raises:
         InputError: bad gold labels, or evaluation rows among the examples (see :func:`check_no_overlap`).
         TaskError: a sweep step asks for more examples than the task has.
+
+    ``head``: a fitted head (or its path; default: the task's ``head:``) that scores every prompt; evaluation
+    rows it was fitted on are refused (:func:`check_not_fitted_on`).
     """
     data = labelled_records(records, label_field, task)
+    head = head_for(task, head)
     if sweep:
         steps = sorted(set(sweep))
         order_seed = seed if seed is not None else (task.select.seed if task.select else 0)
@@ -170,7 +200,9 @@ def plan_eval(
     else:
         tasks = [resolve_examples(task)]
     check_no_overlap(data, tasks[-1])  # sweep steps are nested: the last one shows every example
-    return EvalPlan(data, tasks, bool(sweep))
+    if head is not None:
+        check_not_fitted_on(data, head, task)
+    return EvalPlan(data, tasks, bool(sweep), head)
 
 
 def check_renderable(classifier: Classifier, data: LabelledRecords) -> None:
@@ -242,7 +274,7 @@ def run_eval(
     """One :func:`evaluate` per planned prompt, in order; each prompt gets its own classifier and prefix."""
     results = []
     for task in plan.tasks:
-        result = evaluate(Classifier(loaded, task, method), plan.data, batch_size, content_free)
+        result = evaluate(Classifier(loaded, task, method, head=plan.head), plan.data, batch_size, content_free)
         results.append(result)
         if on_result:
             on_result(result)

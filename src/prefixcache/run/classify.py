@@ -25,6 +25,7 @@ The value types (Record, Prediction, RunConfig, RunStats, LabelScores) live in
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -32,8 +33,10 @@ import torch
 from ..cache.kv import PrefixKV
 from ..cache.pool import PrefixPool
 from ..engine.forward import score_rows
+from ..engine.head import FittedHead, head_rows
+from ..engine.head_file import check as check_head, head_for
 from ..engine.scoring import LabelHead
-from ..errors import InputError
+from ..errors import HeadMismatchError, InputError, PromptError
 from ..model.load import LoadedModel
 from ..spec.context import ContextFit, blank_warning, context_limit, label_overhang
 from ..spec.prompt import Encoded, Prompt, build_prompt
@@ -58,13 +61,41 @@ class Classifier(BoundTask):
 
     stats_type = RunStats
 
-    def __init__(self, loaded: LoadedModel, task: Task, method: str = "auto", pool: PrefixPool | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        task: Task,
+        method: str = "auto",
+        pool: PrefixPool | None = None,
+        head: FittedHead | str | Path | None = None,
+    ):
         self.prompt: Prompt = build_prompt(task, loaded.tokenizer)
         super().__init__(loaded, task, pool)
-        self.method = self.prompt.resolve_method(method)
-        self.head = LabelHead(loaded.model, self.prompt, self.method)
+        self.fitted_head = head_for(task, head)
+        self.method = self._resolve_method(method)
+        self.head = LabelHead(loaded.model, self.prompt, "first-token" if self.fitted_head else self.method)
         overhang = label_overhang(self.prompt, self.method)
         self.fit = ContextFit(self.prompt, loaded.tokenizer, context_limit(loaded.model), overhang)
+
+    def _resolve_method(self, method: str) -> str:
+        """The scoring method; with a fitted head (checked against this model, prompt and labels) ``head:<feature>``.
+
+        Raises:
+            HeadMismatchError: the head was fitted for another model, prompt or label set.
+            PromptError: a method other than ``auto`` was asked for beside a fitted head.
+        """
+        if self.fitted_head is None:
+            return self.prompt.resolve_method(method)
+        if method != "auto":
+            raise PromptError(f"--method {method} scores with the prompt's label tokens; a fitted head scores "
+                              "instead: drop --method, or drop the head")
+        head = self.fitted_head
+        check_head(head.manifest, self.loaded, self.prompt, list(self.prompt.label_ids))
+        head.spec.check(self.loaded.model)
+        width = head.spec.width(self.loaded.model.config.get_text_config(decoder=True).hidden_size)
+        if head.width != width:
+            raise HeadMismatchError(f"the head reads {head.width} features, but {head.feature} gives {width} on this model")
+        return f"head:{head.feature}"
 
     def classify(
         self,
@@ -91,7 +122,12 @@ class Classifier(BoundTask):
         return route(index, record, enc, config.mode, truncated=truncated, warning=warning)
 
     def _forward(self, prefix: PrefixKV, batch: list[WorkItem], stats: RunStats) -> list[LabelScores]:
-        logprobs = score_rows(self.loaded.model, prefix, [it.rows for it in batch], self.head)  # [B, L]
+        rows = [it.rows for it in batch]
+        if self.fitted_head is not None:  # one packed pass and one [B, F] x [F, L] product, whatever the labels
+            own_starts = [len(self.prompt.prefix_ids) if it.full else 0 for it in batch]
+            logprobs = head_rows(self.loaded.model, prefix, rows, own_starts, self.fitted_head, self.head)  # [B, L]
+        else:
+            logprobs = score_rows(self.loaded.model, prefix, rows, self.head)  # [B, L]
         stats.forward_passes += 1
         stats.tokens_computed += sum(len(it.rows) for it in batch)
         stats.per_batch.append(len(batch))

@@ -1,0 +1,117 @@
+"""``prefixcache fit``: fit a label head on labelled rows, through the task's cached prefix, and write it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .boundary import boundary, err, out
+from .loading import load, progress
+from .options import BatchOpt, DtypeOpt, IdFieldOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt
+
+MAX_NAMED = 5  # failed rows named in one message
+
+
+@boundary
+def fit(
+    train: str = typer.Argument(..., help="Labelled training rows: .csv, .jsonl, .parquet, or - for JSONL on stdin."),
+    task: str = TaskOpt,
+    label_field: str = typer.Option("label", "--label-field", help="Field holding each row's gold label."),
+    out_path: Path = typer.Option(..., "--out", help="Where to write the head (.safetensors with its JSON manifest)."),
+    feature: str = typer.Option("last", "--feature", help="Features: last, mean, last@K, mean@K, joined by + (docs/accuracy.md)."),
+    on_prompt: bool = typer.Option(False, "--on-prompt", help="Fit a head that corrects the prompt's own label scores."),
+    folds: int = typer.Option(5, "--folds", min=2, help="Stratified cross-validation folds (capped at the smallest label's rows)."),
+    curve: Optional[str] = typer.Option(
+        None, "--curve", help="Rows per label such as 1,2,5,10,all: held-out accuracy of prompt, head, head on prompt."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of the folds and the curve's split and samples."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of the cross-validated confusion matrix (and PLOT.curve.png)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    text_field: str = TextFieldOpt,
+    id_field: Optional[str] = IdFieldOpt,
+    model: str = ModelOpt,
+    dtype: str = DtypeOpt,
+    threads: Optional[int] = ThreadsOpt,
+    batch_size: int = BatchOpt,
+):
+    """Fit a label head on labelled rows: prints the cross-validated eval report and writes the head."""
+    from ..engine.features import FeatureSpec
+    from ..engine.head_file import save_head
+    from ..eval.evaluate import labelled_records
+    from ..eval.fit_curve import parse_shots
+    from ..eval.report import check_plotting
+    from ..io import records as data
+    from ..spec.task import load_task
+
+    if plot:
+        check_plotting()
+    FeatureSpec.parse(feature)  # a bad spec is refused before the model loads
+    shots = parse_shots(curve) if curve is not None else None
+    spec = load_task(task)
+    rows = labelled_records(data.read_records(train, text_field, id_field), label_field, spec)
+    loaded = load(model, dtype, threads)
+    features, seconds = _features(loaded, spec, rows.records, feature, batch_size)
+    result, points = _fit(features, rows.gold, folds, on_prompt, seed, shots)
+    result.head.manifest["task"] = spec.name
+    written = save_head(result.head, out_path)
+    _report(result, features, points, spec, loaded, batch_size, 1000 * seconds / len(rows.records), as_json, plot)
+    err.print(f"wrote {written} ({len(features.labels)} labels, {features.features.shape[1]} features, fit {result.seconds:.1f} s)")
+
+
+def _features(loaded, task, records, feature: str, batch_size: int):
+    """Every row's features, with a progress bar; refuses rows that cannot run, naming them."""
+    from ..errors import InputError
+    from ..run.features import collect_features
+
+    started = time.perf_counter()
+    with progress(len(records), "features") as bar:
+        features = collect_features(loaded, task, records, feature=feature, batch_size=batch_size, progress=bar.update)
+    if features.errors:
+        named = "; ".join(f"{key!r}: {message}" for key, message in list(features.errors.items())[:MAX_NAMED])
+        raise InputError(f"{len(features.errors)} training row(s) cannot be run: {named}")
+    return features, time.perf_counter() - started
+
+
+def _fit(features, gold, folds: int, on_prompt: bool, seed: int, shots):
+    from ..eval.fit_curve import fit_curve
+    from ..eval.fit_head import fit_head
+
+    err.print(f"fitting a head on {len(gold)} rows ({folds}-fold cross-validation)…")
+    result = fit_head(features, gold, folds=folds, on_prompt=on_prompt, seed=seed)
+    points = fit_curve(features, gold, shots, seed=seed, folds=folds) if shots else None
+    return result, points
+
+
+def _report(result, features, points, task, loaded, batch_size: int, ms_per_item: float, as_json: bool, plot: Optional[Path]):
+    """Print eval's report of the cross-validated predictions (or the JSON document) and write the plots."""
+    import json
+
+    from ..eval.fit_report import as_eval_result, curve_table, fit_document, fit_table, plot_curve
+    from ..eval.report import eval_tables, title
+    from ..spec.prompt import build_prompt
+
+    prompt = build_prompt(task, loaded.tokenizer)
+    evaluated = None
+    if result.cv_metrics is not None:
+        evaluated = as_eval_result(result, features, task.name, len(prompt.prefix_ids), len(prompt.task.examples),
+                                   batch_size, ms_per_item, prefix_ms=0.0)  # the prefix build is in ms_per_item
+    if as_json:
+        document = fit_document(result, evaluated, points) if evaluated else {"fit": result.cv_json()}
+        print(json.dumps(document))
+    else:
+        for table in (eval_tables(evaluated) if evaluated else []) + [fit_table(result)]:
+            out.print(table)
+        if points:
+            out.print(curve_table(points))
+    if plot is None:
+        return
+    from ..bench.plots import plot_confusion
+
+    if evaluated is not None:
+        err.print(f"wrote {plot_confusion(evaluated, plot, title(evaluated) + ' | cross-validated')}")
+    if points:
+        curve_path = plot.with_suffix(".curve.png")
+        err.print(f"wrote {plot_curve(points, curve_path, f'{task.name} | {features.model_identity}', len(features.labels))}")
