@@ -364,6 +364,22 @@ def stratified_take(rows: list[dict], per_label: int, seed: int, exclude: set = 
     return out
 
 
+def interleave(rows: list[dict], seed: int) -> list[dict]:
+    """Rows in label round-robin (each label's rows shuffled by ``seed``), so any prefix of the list is
+    close to balanced: a collection stopped early still covers every label."""
+    rng = random.Random(seed)
+    by_label: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        by_label[row["label"]].append(row)
+    for pool in by_label.values():
+        rng.shuffle(pool)
+    out, depth = [], 0
+    while len(out) < len(rows):
+        out += [pool[depth] for _, pool in sorted(by_label.items()) if depth < len(pool)]
+        depth += 1
+    return out
+
+
 class Splits:
     """Every row set the experiments use, fixed by seeds, and the rows each feature job must cover."""
 
@@ -375,9 +391,11 @@ class Splits:
         self.b77_test = stratified_take(b77, per, SEED + 1, exclude={r["id"] for r in self.b77_fit})
         # The subset first, so that its features are cached early when the whole split is collected.
         first = {r["id"] for r in self.b77_fit + self.b77_test}
-        self.b77_all = self.b77_fit + self.b77_test + ([] if quick else [r for r in b77 if r["id"] not in first])
+        rest = interleave([r for r in b77 if r["id"] not in first], SEED + 3)
+        self.b77_all = self.b77_fit + self.b77_test + ([] if quick else rest)
         n71 = self._without_task_examples(natcs71_rows(), "natcs-71")
-        self.n71_all = stratified_take(n71, 4, SEED) if quick else n71
+        # Label round-robin order: a collection stopped early still covers every intent evenly.
+        self.n71_all = stratified_take(n71, 4, SEED) if quick else interleave(n71, SEED)
         n5 = natcs5_rows()
         self.n5_all = stratified_take(n5, 8, SEED) if quick else n5
         fit5 = stratified_take(self.n5_all, len(self.n5_all) // 10, SEED)  # half of each label (balanced data)
@@ -402,7 +420,7 @@ class Splits:
             "tickets.tickets-compact": ("tickets-compact", tickets),
             "natcs5.natcs-intents": ("natcs-intents", self.n5_all),
             "natcs5.natcs-intents-short": ("natcs-intents-short", self.n5_all),
-            "b77sub.banking77-short": ("banking77-short", self.b77_fit + self.b77_test),
+            "b77sub.banking77-short": ("banking77-short", interleave(self.b77_fit, SEED) + interleave(self.b77_test, SEED)),
             "natcs71.natcs-71": ("natcs-71", self.n71_all),
             "b77.banking77": ("banking77", self.b77_all),  # the expensive one: ~9,900 rows behind a long prefix
         }
@@ -460,7 +478,11 @@ def collect(args) -> None:
             loaded = load_model_for_study()
         task = load_task_file(task_name)
         pool = PrefixPool()
-        for k in todo:
+        started = time.perf_counter()
+        warm = [Record("warm-up", {"text": "hello"})]
+        collect_features(loaded, task, warm, feature=COLLECT_SPEC, batch_size=32, pool=pool)  # prefix build + warm-up
+        print(f"  {job}: prefix built and warmed up in {time.perf_counter() - started:.0f} s", flush=True)
+        for k in todo[: args.max_chunks]:
             chunk = chunks[k]
             records = [Record(r["id"], {"text": r["text"]}) for r in chunk]
             start = time.perf_counter()
@@ -481,8 +503,12 @@ def collect(args) -> None:
                 errors=np.array(json.dumps({str(a): b for a, b in fs.errors.items()})),
             )
             print(f"  {job} chunk {k + 1}/{len(chunks)}: {len(chunk)} rows in {seconds:.0f} s "
-                  f"({1000 * seconds / len(chunk):.0f} ms/row, prefix build included on the first) "
+                  f"({1000 * seconds / len(chunk):.0f} ms/row) "
                   f"{time.strftime('%H:%M:%S')}", flush=True)
+
+
+class NotCollected(Exception):
+    """A job's features are not in the cache."""
 
 
 class Cached:
@@ -496,10 +522,10 @@ class Cached:
             if not path.exists():
                 if allow_partial:
                     break
-                raise SystemExit(f"{path} is missing: run `collect {job}` first")
+                raise NotCollected(f"{path} is missing: run `collect {job}` first")
             parts.append(np.load(path))
         if not parts:
-            raise SystemExit(f"no features cached for {job}: run `collect {job}` first")
+            raise NotCollected(f"no features cached for {job}: run `collect {job}` first")
         self.ids = np.concatenate([p["ids"] for p in parts])
         self.gold = np.concatenate([p["gold"] for p in parts])
         self.features = np.concatenate([p["features"] for p in parts])
@@ -687,15 +713,37 @@ class Study:
             ("natcs-intents (250 -> 250)", ["natcs5.natcs-intents", "natcs5.natcs-intents-short"], s.n5_fit, s.n5_test),
             ("banking77 (10/intent -> held-out)", ["b77.banking77", "b77sub.banking77-short"], s.b77_fit, s.b77_test),
         ):
+            present = []
             for job in jobs:
+                try:
+                    present.append(job)
+                    self.cached(job, partial=True)
+                except NotCollected as exc:
+                    present.pop()
+                    print(f"  (d) skipped: {exc}", flush=True)
+            # The same rows for every prompt of a setting: those whose features every prompt has.
+            fit = [r for r in fit if all(r["id"] in self.cached(j).index for j in present)]
+            test = [r for r in test if all(r["id"] in self.cached(j).index for j in present)]
+            for job in present:
                 task_name = self.jobs[job][0]
                 r = self.held_out(job, fit, test, spec)
-                t = timing.get(task_name, {})
+                t = timing.get(task_name) or self.collection_timing(job, task_name)
                 out[job] = r | {"timing": t}
-                rows.append([data, f"`{task_name}`", t.get("prefix_tokens", "?"), pct(r["prompt"]), pct(r["accuracy"]),
+                rows.append([data, f"{r['fit_rows']} -> {r['test_rows']}", f"`{task_name}`", t.get("prefix_tokens", "?"),
+                             pct(r["prompt"]), pct(r["accuracy"]),
                              f"{t['ms_per_record']:.1f}" if t else "—"])
         self.results["short"] = out
-        return table(["data", "prompt", "prefix tokens", "prompt alone", f"fitted head (`{spec}`)", "ms/record (features pass)"], rows)
+        return table(["data", "rows (fit -> scored)", "prompt", "prefix tokens", "prompt alone", f"fitted head (`{spec}`)", "ms/record (features pass)"], rows)
+
+    def collection_timing(self, job: str, task_name: str) -> dict:
+        """ms/record of the collection pass itself (all six feature parts kept; prefix build excluded)."""
+        from prefixcache.spec.prompt import build_prompt
+
+        if not hasattr(self, "_tokenizer"):
+            self._tokenizer = load_model_for_study().tokenizer
+        c = self.cached(job, partial=True)
+        return {"ms_per_record": 1000 * c.seconds / len(c.ids), "rows": len(c.ids), "source": "collection",
+                "prefix_tokens": len(build_prompt(load_task_file(task_name), self._tokenizer).prefix_ids)}
 
     # (e) -------------------------------------------------------------------------------------
     def fit_times(self, spec: str, timing: dict) -> str:
@@ -849,6 +897,7 @@ def main(argv=None) -> int:
     sub.add_parser("tasks", help="write the study's task files under docs/tasks/")
     p = sub.add_parser("collect", help="features for every job (or the named ones), cached")
     p.add_argument("jobs", nargs="*", help="job names (default: all, cheapest first)")
+    p.add_argument("--max-chunks", type=int, help=f"collect at most this many {CHUNK}-row chunks per job in this call")
     p = sub.add_parser("timing", help="ms/record per prompt and features+fit vs classify (loads the model)")
     p.add_argument("--spec", default="last", help="the feature the timed passes keep")
     p.add_argument("--rows", type=int, default=96, help="rows per timed prompt")
