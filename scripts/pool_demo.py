@@ -28,7 +28,7 @@ from prefixcache.io.records import bundled_dataset, read_records  # noqa: E402
 from prefixcache.model.load import load_model  # noqa: E402
 from prefixcache.cache.pool import POLICIES, PoolConfig, PrefixPool, format_bytes  # noqa: E402
 from prefixcache.spec.prompt import build_prompt  # noqa: E402
-from prefixcache.cache.layouts import storage_agreement  # noqa: E402
+from prefixcache.eval.verify_storage import storage_agreement  # noqa: E402
 from prefixcache.run.classify import Classifier, RunConfig  # noqa: E402
 from prefixcache.cache.disk import DiskStore  # noqa: E402
 from prefixcache.spec.task import load_task  # noqa: E402

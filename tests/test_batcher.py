@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 from prefixcache.server.batcher import MicroBatcher
-from prefixcache.server.metrics import Metrics
+from prefixcache.server.prometheus import Metrics
 from prefixcache.server.settings import ServerSettings
 
 

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from prefixcache.server.batcher import MicroBatcher
-from prefixcache.server.errors import QueueFullError, ShuttingDownError
-from prefixcache.server.metrics import Metrics
+from prefixcache.errors import QueueFullError, ShuttingDownError
+from prefixcache.server.prometheus import Metrics
 from prefixcache.server.settings import ServerSettings
 
 

@@ -13,10 +13,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from prefixcache.bench.lanes import BenchOptions
+from prefixcache.bench.extract_lanes import run_extract_bench
+from prefixcache.bench.options import BenchOptions
 from prefixcache.cli.app import app
 from prefixcache.errors import TaskError
-from prefixcache.run.extract import Extractor, compare_extractions, parse_fields, run_extract_bench, verify_extract
+from prefixcache.eval.verify_extract import compare_extractions, verify_extract
+from prefixcache.run.extract import Extractor
+from prefixcache.spec.answer import parse_fields
 from prefixcache.engine.generate import GenerationConfig, generate_rows
 from prefixcache.cache.pool import PrefixPool
 from prefixcache.run.classify import Classifier, Record, RunConfig, records_from_texts

@@ -33,7 +33,8 @@ else:
     pytest.importorskip("ray.data", reason="Ray is not installed: pip install 'prefixcache[ray]'")
 
 from prefixcache.dist.inputs import input_format  # noqa: E402
-from prefixcache.dist.ray import FAIL_ONCE_ENV, check_gpus, cpus_per_worker, run_ray_classify  # noqa: E402
+from prefixcache.dist.ray import FAIL_ONCE_ENV, run_ray_classify  # noqa: E402
+from prefixcache.dist.resources import check_gpus, cpus_per_worker  # noqa: E402
 from prefixcache.dist.rows import ROW, Finisher, prediction_line, record_of  # noqa: E402
 from prefixcache.dist.sink import PartWriter  # noqa: E402
 from prefixcache.dist.summary import RaySummary, Tally  # noqa: E402

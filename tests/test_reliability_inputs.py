@@ -169,8 +169,20 @@ def test_overflow_error_names_record_field_and_lengths(classifier):
     record = Record("long", {"text": "refund " * 20_000})
     (prediction,) = classifier.classify_all([record], RunConfig("batched", 2))
     assert prediction.label is None
-    for words in ("record 'long'", "field 'text'", "too long", f"context is {CONTEXT}", "--overflow truncate"):
+    for words in ("record 'long'", "field 'text'", "too long", f"context is {CONTEXT}", "overflow policy 'truncate'"):
         assert words in prediction.error, prediction.error
+    assert "--" not in prediction.error, "the library's message is neutral: the CLI and HTTP add their own wording"
+
+
+def test_cli_says_how_to_cut_records_past_the_context(model_dir, task_file, tmp_path):
+    """The CLI adds its own wording to the neutral overflow error: the flag that cuts such records."""
+    source = tmp_path / "long.jsonl"
+    source.write_text(json.dumps({"id": "long", "text": "refund " * 20_000}) + "\n" + json.dumps({"id": "ok", "text": "hi"}) + "\n")
+    result = _classify(model_dir, task_file, str(source))
+    assert result.exit_code == 1
+    assert [r["id"] for r in _lines(result.stdout)] == ["long", "ok"]
+    said = " ".join(result.output.split())  # the console wraps long lines
+    assert "1 records did not fit the model's context" in said and "--overflow truncate" in said, said
 
 
 @pytest.mark.parametrize("method", ["first-token", "full"])

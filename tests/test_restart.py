@@ -96,7 +96,7 @@ def test_bundled_tasks_restart_exactly_on_the_embedded_tokenizer(name):
     tokenizer = load_model_tokenizer("smollm2-135m")
     task = load_any_task(name)
     if name == "ticket-fields":
-        from prefixcache.run.extract import build_extract_prompt
+        from prefixcache.spec.extract_prompt import build_extract_prompt
 
         prompt = build_extract_prompt(task, tokenizer)
     else:

@@ -1,8 +1,10 @@
 """Domain errors: every failure a user can cause or fix has a type here.
 
-Exactly one boundary (the CLI, later the HTTP app) turns these into user-facing
-messages. Each message says what went wrong *and what to do next*. Set
-``PREFIXCACHE_DEBUG=1`` to make the CLI re-raise instead of printing.
+This module is the one home of error types. Two boundaries turn them into user-facing answers:
+the CLI (:mod:`prefixcache.cli.boundary`: a message and exit code 2) and the HTTP app
+(``server/app.py``: a JSON body and a status code, chosen there by type). Each message says what
+went wrong *and what to do next*, in neutral terms (the library's setting names, not a CLI flag);
+a boundary adds its own wording. Set ``PREFIXCACHE_DEBUG=1`` to make either re-raise instead.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ class InputError(PrefixCacheError):
     """A record or an input file is bad. The message names the record and the field."""
 
 
+class ContextOverflowError(InputError):
+    """A record's prompt does not fit the model's context (under the ``error`` overflow policy)."""
+
+
 class VerificationError(PrefixCacheError):
     """The cached path disagreed with full re-encoding."""
 
@@ -53,3 +59,58 @@ class HeadMismatchError(PrefixCacheError):
 
     The message names which one differs, with what the head expects and what it found.
     """
+
+
+class ExtraNotInstalledError(PrefixCacheError):
+    """A feature needs an optional extra (``pip install 'prefixcache[serve]'``, say) that is not installed."""
+
+
+class RayNotInstalledError(ExtraNotInstalledError):
+    """``--ray`` was asked for, but Ray is not installed here."""
+
+
+# --- the HTTP service's errors (their status codes are the app's: ``server/app.py``) ------------------------
+
+
+class ServerError(PrefixCacheError):
+    """Base of the HTTP service's errors."""
+
+
+class SettingsError(ServerError):
+    """A server setting is out of range (raised at start-up)."""
+
+
+class UnknownTaskError(ServerError):
+    """No task of that name is registered."""
+
+
+class WrongTaskKindError(ServerError):
+    """The task exists but is of another kind than the endpoint serves (e.g. /v1/extract on a classify task)."""
+
+
+class ItemError(ServerError):
+    """One item of a request is unacceptable (too long, a field missing). ``item`` is its 0-based index."""
+
+    def __init__(self, message: str, item: int | None = None):
+        super().__init__(message)
+        self.item = item
+
+
+class RequestLimitError(ServerError):
+    """The request as a whole breaks a limit (too many items)."""
+
+
+class TaskUploadError(ServerError):
+    """An uploaded task cannot be served (name mismatch, prefix too long, unsupported kind or media type)."""
+
+
+class QueueFullError(ServerError):
+    """The model's queue is full. ``retry_after`` is a whole number of seconds to wait."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ShuttingDownError(ServerError):
+    """The server stopped before the request's items were run."""

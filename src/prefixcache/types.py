@@ -158,7 +158,9 @@ class WindowStats:
 
 @dataclass
 class RunStats(WindowStats):
-    """Counters of one classification run: the common ones plus tokens computed and records per pass."""
+    """Counters of one classification run: the common ones plus tokens computed, records per pass, and
+    records that failed because their prompt does not fit the model's context (``context_overflows``)."""
 
     tokens_computed: int = 0
+    context_overflows: int = 0
     per_batch: list[int] = field(default_factory=list)

@@ -1,6 +1,6 @@
 """Benchmarks: every mode on the same records in one run, as ratios against ``full``.
 
-A *lane* is one way of classifying the records (a runner mode at a dtype, or a
+A *lane* is one way of classifying the records (a run mode at a dtype, or a
 peer such as llama.cpp). All lanes run in the same process, after a warm-up,
 on the same records; the first lane (``full``) is the reference for speed-up,
 label agreement and log-prob drift.
@@ -13,16 +13,18 @@ plus the output-head work actually done (label rows only for first-token).
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
+from ..eval.verify import compare
+from ..model.load import LoadedModel
 from ..run.classify import Classifier, warmup
 from ..types import Mode, Prediction, Record, RunConfig, RunStats
-from ..eval.verify import compare
-from .options import BenchOptions
+from .workload import example_pool, grow_task
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ class Lane:
 
 
 def classifier_lane(name: str, classifier: Classifier, mode: str, batch_size: int = 1) -> Lane:
-    """A lane for one runner mode of ``classifier``."""
+    """A lane for one run mode (:class:`~prefixcache.types.Mode`) of ``classifier``."""
     config = RunConfig(mode, Mode(mode).pass_size(batch_size))
 
     def run(records: list[Record]):
@@ -206,7 +208,7 @@ def near_tie_ids(reference: Sequence[Prediction], noise: float) -> set:
 def compare_modes(
     classifier: Classifier, records: list[Record], batch_size: int = 32, modes=("full", "cached", "batched")
 ) -> tuple[list[ModeResult], dict[str, list[Prediction]]]:
-    """Time each runner mode of one classifier on ``records``; the first mode is the reference."""
+    """Time each run mode of one classifier on ``records``; the first mode is the reference."""
     lanes = [classifier_lane(mode, classifier, mode, batch_size) for mode in modes]
     report = run_lanes(lanes, records)
     return report.results, report.predictions
@@ -236,8 +238,6 @@ def sweep_prefix(
     on_point: Callable[[SweepPoint], None] | None = None,
 ) -> list[SweepPoint]:
     """Grow ``base_task``'s prefix through ``targets`` tokens; time full (on ``full_items`` records) and batched."""
-    from .workload import example_pool, grow_task
-
     pool = example_pool({str(r.fields.get("text")) for r in records})
     points = []
     for target in targets:
@@ -257,90 +257,7 @@ def sweep_prefix(
     return points
 
 
-def same_dtype_copy(loaded, dtype: torch.dtype):
+def same_dtype_copy(loaded: LoadedModel, dtype: torch.dtype) -> LoadedModel:
     """The same weights at another dtype (a new module; the original is untouched)."""
-    import copy
-
-    from ..model.load import LoadedModel
-
     model = copy.deepcopy(loaded.model).to(dtype)
     return LoadedModel(model, loaded.tokenizer, loaded.spec, loaded.identity, dtype, loaded.device)
-
-
-def build_lanes(options: BenchOptions, log: Callable[[str], None]) -> tuple[list[Lane], dict, object]:
-    """Load the model(s) and make the lanes: full, cached, batched in float32, then full and batched at
-    the ``auto`` dtype when that differs, then llama.cpp when available."""
-    from ..model.load import load_model, load_random_model, resolve_device, resolve_dtype, set_threads
-    from .peers import llama_cpp_lane
-    from ..spec.task import load_task
-
-    task = load_task(options.task)
-    threads = set_threads(options.threads)
-    run_dtype = resolve_dtype(options.dtype, resolve_device(None))
-    if options.model_config:
-        base = load_random_model(options.model_config, "float32", threads, tokenizer_from=options.model)
-    else:
-        base = load_model(options.model, "float32", threads)
-    log(f"model {base.identity}, {threads} threads, run dtype {dtype_name(run_dtype)}")
-    reference = Classifier(base, task)
-    lanes = [
-        classifier_lane("full", reference, "full"),
-        classifier_lane("cached", reference, "cached"),
-        classifier_lane("batched", reference, "batched", options.batch_size),
-    ]
-    if run_dtype != torch.float32:
-        fast = Classifier(same_dtype_copy(base, run_dtype), task)
-        lanes += [
-            classifier_lane("full", fast, "full"),
-            classifier_lane("batched", fast, "batched", options.batch_size),
-        ]
-    if options.llama_cpp and not options.model_config:
-        lane = llama_cpp_lane(options.model, reference, threads, log)
-        if lane is not None:
-            lanes.append(lane)
-    meta = {"dtype": dtype_name(run_dtype), "threads": threads, "prefix_tokens": len(reference.prompt.prefix_ids), "task": task.name, "model": base.identity}
-    return lanes, meta, base
-
-
-def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> tuple[BenchReport, dict]:
-    """Run every lane on the workload and return the report plus the JSON document.
-
-    An extraction task (``kind: extract``) runs :func:`prefixcache.run.extract.run_extract_bench` instead.
-    """
-    from ..spec.task import ExtractTask, load_any_task
-    from .workload import ticket_records
-
-    if isinstance(load_any_task(options.task), ExtractTask):
-        from ..run.extract import run_extract_bench
-
-        return run_extract_bench(options, log)
-    lanes, meta, base = build_lanes(options, log)
-    records = ticket_records(options.items)
-    dtypes = sorted({lane.dtype for lane in lanes if lane.dtype in ("float32", "bfloat16", "float16")})
-    peaks = {d: matmul_peak_gflops(getattr(torch, d), base.device) for d in dtypes}
-    log("matmul peak: " + ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in peaks.items()))
-    report = run_lanes(lanes, records, peaks, on_lane=lambda name: log(f"running {name} on {len(records)} items ..."))
-    tokenizer = base.tokenizer
-    suffix_tokens = [len(tokenizer(str(r.fields["text"]), add_special_tokens=False)["input_ids"]) for r in records]
-    document = {
-        **meta,
-        "items": len(records),
-        "peak_gflops": peaks.get(meta["dtype"]),
-        "peaks_gflops": peaks,
-        "mean_suffix_tokens": sum(suffix_tokens) / len(suffix_tokens),
-        "modes": [r.to_json() for r in report.results],
-    }
-    if options.sweep_targets:
-        from ..spec.task import load_task
-
-        points = sweep_prefix(
-            base if meta["dtype"] == "float32" else same_dtype_copy(base, getattr(torch, meta["dtype"])),
-            load_task(options.task),
-            records[: options.sweep_items],
-            options.sweep_targets,
-            options.batch_size,
-            options.sweep_full_items,
-            on_point=lambda p: log(f"sweep: prefix {p.prefix_tokens} tokens: full {p.full_ms_per_item:.1f} ms/item, batched {p.batched_ms_per_item:.2f} ms/item"),
-        )
-        document["sweep"] = [asdict(p) | {"speedup": p.speedup} for p in points]
-    return report, document

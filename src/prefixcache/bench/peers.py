@@ -78,7 +78,7 @@ def llama_cpp_lane(model_spec: str, classifier: Classifier, threads: int, log: C
         texts = [prompt.suffix_text(r.fields, r.id) for r in records]
         predictions = []
         for record, encoded in zip(records, prompt.encode(classifier.loaded.tokenizer, texts)):
-            if encoded.suffix_ids is None:  # crosses the boundary: re-encode in full, like our runner
+            if encoded.suffix_ids is None:  # crosses the boundary: re-encode in full, like the record loop
                 llm.reset()
                 rows = list(encoded.full_ids)
             else:

@@ -11,7 +11,7 @@ import typer
 
 from ..bench.options import SWEEP_TARGETS, BenchOptions
 from ..model.catalog import DTYPE_CHOICES
-from .boundary import boundary, choice, err, out
+from .boundary import boundary, choice, err, out, output_path
 from .loading import quiet_transformers
 from .options import DtypeOpt, ThreadsOpt
 from .reports import timing_table
@@ -36,10 +36,12 @@ def bench(
     no_llama_cpp: bool = typer.Option(False, "--no-llama-cpp", help="Skip the llama.cpp lane."),
 ):
     """Time full, cached, batched (and llama.cpp) on the same records in one run; report ratios and % of peak."""
-    from ..bench.lanes import run_bench
+    from ..bench.job import run_bench
 
     if random_weights != bool(model_config):
         raise typer.BadParameter("--random-weights and --model-config go together")
+    for path, name in ((json_path, "--json"), (plot, "--plot"), (sweep_plot, "--sweep-plot")):
+        output_path(path, name)
     options = BenchOptions(
         task=task, items=items, model=model, model_config=model_config, dtype=choice(dtype, DTYPE_CHOICES, "--dtype"),
         threads=threads, batch_size=batch_size, llama_cpp=not no_llama_cpp,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import Callable, Iterable, TypeVar
+from pathlib import Path
+from typing import IO, Callable, Iterable, Optional, TypeVar
 
 import typer
 from rich.console import Console
@@ -56,6 +57,26 @@ def parsed(parse: Callable[[str], T], value: str, name: str) -> T:
         return parse(value)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint=name) from None
+
+
+def output_path(path: Optional[Path], name: str) -> Optional[Path]:
+    """``path`` (or None) if a file can be made there: its folder exists and it is not a folder itself.
+    Checked before any work is done, so a typo does not cost a model load or a whole run."""
+    if path is None:
+        return None
+    if path.is_dir():
+        raise typer.BadParameter(f"{path} is a folder; name a file", param_hint=name)
+    if not path.parent.is_dir():
+        raise typer.BadParameter(f"{path.parent} is not a folder; create it first", param_hint=name)
+    return path
+
+
+def open_output(path: Path, mode: str, name: str) -> IO[str]:
+    """``open(path, mode)`` as UTF-8 text; an OS refusal (permissions, a full disk) is a usage error naming ``name``."""
+    try:
+        return open(path, mode, encoding="utf-8")
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot write {path}: {exc.strerror or exc}", param_hint=name) from None
 
 
 def flag(ctx: typer.Context, name: str) -> str:

@@ -11,8 +11,8 @@ import typer
 
 from ..io.journal import ON_ERROR
 from ..types import METHODS, MODES, OVERFLOW, RunConfig
-from .boundary import boundary, choice, err, flag, given
-from .loading import make_pool, progress, setup_classifier
+from .boundary import boundary, choice, err, flag, given, open_output, output_path
+from .loading import check_text_field, make_pool, progress, setup_classifier
 from .options import (
     RUN, BatchOpt, CacheBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, HeadOpt, IdFieldOpt, KVStorageOpt, MethodOpt, ModelOpt,
     ModeOpt, TaskOpt, TextFieldOpt,
@@ -42,7 +42,9 @@ def classify(
     id_field: Optional[str] = IdFieldOpt,
     out_path: Optional[Path] = typer.Option(None, "--out", help="Output JSONL (default: stdout); with --ray a folder for JSONL parts."),
     dtype: str = DtypeOpt,
-    threads: Optional[int] = typer.Option(None, "--threads", help="Torch threads (default: all cores; with --ray per worker, default 1)."),
+    threads: Optional[int] = typer.Option(
+        None, "--threads", min=1, help="Torch threads (default: all cores; with --ray per worker, default 1)."
+    ),
     cache_budget: Optional[str] = CacheBudgetOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
     kv_storage: str = KVStorageOpt,
@@ -75,6 +77,7 @@ def classify(
                                cache_dir, ray_address, workers, num_gpus)
     if resume and out_path is None:
         raise typer.BadParameter("--resume needs --out: the output file is what it resumes")
+    output_path(out_path, "--out")
     cache = (cache_budget, cache_dir, kv_storage, eviction)
     classify_here(input, task, model, config, method, text_field, id_field, out_path, dtype, threads, cache, policy, resume,
                   head)
@@ -88,12 +91,12 @@ def classify_here(input, task, model, config: RunConfig, method, text_field, id_
     from ..io.journal import Recovered, check_matches, recover, write_predictions
     from ..types import RunStats
 
-    records = list(data.scan_records(input, text_field, id_field))
+    records = check_text_field(list(data.scan_records(input, text_field, id_field)), text_field)
     done = recover(out_path) if resume else Recovered()
     check_matches(done, records, out_path)
     classifier = setup_classifier(task, model, dtype, threads, method, make_pool(*cache), head)
     stats = RunStats()
-    with (open(out_path, "a" if resume else "w", encoding="utf-8") if out_path else nullcontext(sys.stdout)) as sink:
+    with (open_output(out_path, "a" if resume else "w", "--out") if out_path else nullcontext(sys.stdout)) as sink:
         with progress(len(records), f"classify [{config.mode}]") as bar:
             bar.update(done.lines)
             predictions = classifier.classify(records[done.lines:], config, progress=bar.update, stats=stats)
@@ -105,6 +108,9 @@ def classify_here(input, task, model, config: RunConfig, method, text_field, id_
         + (f", cut a torn last line of {done.cut_bytes} bytes" if done.cut_bytes else "")
         + (f"; wrote {out_path}" if out_path else "")
     )
+    if stats.context_overflows:
+        err.print(f"{stats.context_overflows} records did not fit the model's context: shorten them, or pass "
+                  "--overflow truncate to cut them to fit (they are flagged)", highlight=False)
     report_pool(classifier.pool)
     if done.failed + written.failed:
         raise typer.Exit(1)

@@ -33,6 +33,8 @@ def demo(
     out_dir: Path = typer.Option(Path("prefixcache-out"), "--out-dir", help="Where the results folder is made."),
 ):
     """Classify the 600 bundled support tickets, print accuracy and a full/cached/batched timing table."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise typer.BadParameter(f"{out_dir} is a file; name a folder", param_hint="--out-dir")
     classifier = setup_classifier("support-tickets", model, dtype, threads, "auto")
     run_demo(classifier, batch_size, subset, out_dir, out, err)
 
@@ -58,7 +60,10 @@ def run_demo(classifier, batch_size: int, subset: int, out_dir: Path, out: Conso
     records = list(data.to_records(rows, id_field="id"))
     gold = {r["id"]: r["label"] for r in rows}
     folder = out_dir / time.strftime("demo-%Y%m%d-%H%M%S")
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot make {folder}: {exc.strerror or exc}", param_hint="--out-dir") from None
     predictions, stats = classify_tickets(classifier, records, batch_size, folder / "predictions.jsonl")
     correct = sum(p.label == gold[p.id] for p in predictions)
     accuracy = correct / len(predictions)

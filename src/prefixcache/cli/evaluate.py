@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from .boundary import boundary, err, out
-from .loading import setup_classifier
+from .boundary import boundary, err, out, output_path
+from .loading import check_text_field, setup_classifier
 from .options import BatchOpt, DtypeOpt, HeadOpt, IdFieldOpt, MethodOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt
 
 
@@ -45,9 +45,11 @@ def eval_(
     from ..spec.task import load_task
 
     if plot:
+        output_path(plot, "--plot")
         check_plotting()
     steps = parse_steps(sweep_examples) if sweep_examples is not None else None
-    plan = plan_eval(load_task(task), data.read_records(input, text_field, id_field), label_field, steps, seed, head)
+    records = check_text_field(list(data.read_records(input, text_field, id_field)), text_field)
+    plan = plan_eval(load_task(task), records, label_field, steps, seed, head)
     classifier = setup_classifier(task, model, dtype, threads, method, head=plan.head)
     neutral = tuple(content_free) if content_free else CONTENT_FREE if calibrate else None
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -11,8 +10,8 @@ from typing import Optional
 import typer
 
 from ..types import MODES, RunConfig
-from .boundary import boundary, choice, err
-from .loading import make_pool, progress, setup_extractor
+from .boundary import boundary, choice, err, open_output, output_path
+from .loading import check_text_field, make_pool, progress, setup_extractor
 from .options import (
     BatchOpt, CacheBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, IdFieldOpt, InputArg, KVStorageOpt, ModelOpt, ModeOpt,
     TextFieldOpt, ThreadsOpt,
@@ -44,6 +43,7 @@ def extract(
     what is wrong). Exit code 1 when any record has an error.
     """
     config = RunConfig(choice(mode, MODES, "--mode"), batch_size)
+    output_path(out_path, "--out")
     pool = make_pool(cache_budget, cache_dir, kv_storage, eviction)
     extractor = setup_extractor(task, model, dtype, threads, pool, max_new_tokens)
     stats = extract_into(extractor, input, text_field, id_field, config, out_path)
@@ -62,13 +62,14 @@ def extract_into(extractor, input: str, text_field: str, id_field: Optional[str]
                  out_path: Optional[Path]):
     """Read the records, extract them and write one JSON line each to ``out_path`` (or stdout); the stats."""
     from ..io import records as data
+    from ..io.jsonl import write_line
     from ..run.extract import ExtractStats
 
-    records = list(data.read_records(input, text_field, id_field))
+    records = check_text_field(list(data.read_records(input, text_field, id_field)), text_field)
     stats = ExtractStats()
-    with (open(out_path, "w", encoding="utf-8") if out_path else nullcontext(sys.stdout)) as sink:
+    with (open_output(out_path, "w", "--out") if out_path else nullcontext(sys.stdout)) as sink:
         with progress(len(records), f"extract [{config.mode}]") as bar:
             for extraction in extractor.extract(records, config, progress=bar.update, stats=stats):
-                sink.write(json.dumps(extraction.to_json(), ensure_ascii=False) + "\n")
+                write_line(sink, extraction.to_json())
                 sink.flush()
     return stats

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .boundary import boundary, err, out
+from .boundary import boundary, err, out, output_path
 from .loading import load, progress
 from .options import BatchOpt, DtypeOpt, IdFieldOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt
 
@@ -46,7 +46,9 @@ def fit(
     from ..io import records as data
     from ..spec.task import load_task
 
+    output_path(out_path, "--out")
     if plot:
+        output_path(plot, "--plot")
         check_plotting()
     FeatureSpec.parse(feature)  # a bad spec is refused before the model loads
     shots = parse_shots(curve) if curve is not None else None
@@ -108,7 +110,7 @@ def _report(result, features, points, task, loaded, batch_size: int, ms_per_item
             out.print(curve_table(points))
     if plot is None:
         return
-    from ..bench.plots import plot_confusion
+    from ..eval.plots import plot_confusion
 
     if evaluated is not None:
         err.print(f"wrote {plot_confusion(evaluated, plot, title(evaluated) + ' | cross-validated')}")

@@ -92,6 +92,15 @@ def make_pool(cache_budget: Optional[str], cache_dir: Optional[Path], kv_storage
     return PrefixPool(PoolConfig(budget, policy, storage), DiskStore(cache_dir) if cache_dir else None)
 
 
+def check_text_field(records: list, text_field: str) -> list:
+    """``records``, unless ``--text-field`` names a field that no row has: a typo there would otherwise fail
+    every record one by one (or leave ``verify`` nothing to compare), so it is a usage error."""
+    valid = [r for r in records if r.error is None]
+    if text_field != "text" and valid and not any("text" in r.fields for r in valid):
+        raise typer.BadParameter(f"no row has a field {text_field!r}", param_hint="--text-field")
+    return records
+
+
 def progress(total: Optional[int], desc: str):
     """A tqdm bar on standard error (a context manager; ``update(n)`` per record done)."""
     from tqdm import tqdm

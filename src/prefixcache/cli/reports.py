@@ -52,7 +52,7 @@ def report_pool(pool) -> None:
 
 def report_storage(classifier, records, config) -> None:
     """With a quantized pool: label agreement against float storage and memory saved, on stderr."""
-    from ..cache.layouts import storage_agreement
+    from ..eval.verify_storage import storage_agreement
 
     if classifier.pool is None or classifier.pool.config.storage == "float":
         return

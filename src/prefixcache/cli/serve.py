@@ -7,6 +7,8 @@ from typing import Optional
 import typer
 
 from ..cache.config import parse_bytes
+from ..errors import ExtraNotInstalledError
+from ..server.settings import DEFAULT_LOG_LEVEL, LOG_LEVELS, ServerSettings
 from ..server.settings import DEFAULTS as SERVER
 from ..types import METHODS
 from .boundary import boundary, choice, parsed
@@ -40,15 +42,16 @@ def serve(
     ),
     cache_budget: Optional[str] = typer.Option(None, "--cache-budget", help="Byte budget of the server's prefix pool, such as 256MB."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run a model repository's own code (only for models you trust)."),
-    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+    log_level: str = typer.Option(DEFAULT_LOG_LEVEL, "--log-level", help=f"uvicorn log level: {', '.join(LOG_LEVELS)}."),
 ):
     """Serve tasks over HTTP with micro-batching (FastAPI on uvicorn). Set PREFIXCACHE_API_KEY to require a key.
 
     Needs the 'serve' extra: pip install 'prefixcache[serve]'.
     """
-    from ..server import ServerSettings, run_server
     from ..spec.task import load_any_task
 
+    run_server = server_runner()
+    log_level = choice(log_level, LOG_LEVELS, "--log-level")
     settings = ServerSettings.from_env(
         host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms, arrival_gap_ms=arrival_gap_ms,
         max_queue=max_queue, max_items=max_items,
@@ -58,3 +61,16 @@ def serve(
     )
     specs = [load_any_task(name) for name in task]
     run_server(load(model, dtype, threads, trust_remote_code), specs, settings, log_level)
+
+
+def server_runner():
+    """:func:`prefixcache.server.run.run_server`, or a clear error when the 'serve' extra is not installed."""
+    try:
+        from ..server import run
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] not in ("fastapi", "uvicorn", "starlette", "prometheus_client"):
+            raise
+        raise ExtraNotInstalledError(
+            f"serve needs the 'serve' extra ({exc.name} is missing): pip install 'prefixcache[serve]'"
+        ) from None
+    return run.run_server

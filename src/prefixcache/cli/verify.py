@@ -9,7 +9,7 @@ import typer
 
 from ..types import Mode, RunConfig
 from .boundary import boundary, choice
-from .loading import is_extract, make_pool, progress, setup_classifier, setup_extractor
+from .loading import check_text_field, is_extract, make_pool, progress, setup_classifier, setup_extractor
 from .options import (
     BatchOpt, CacheBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, IdFieldOpt, InputArg, JsonOpt, KVStorageOpt,
     HeadOpt, MethodOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt,
@@ -53,7 +53,7 @@ def verify_labels(input, task, model, config: RunConfig, method, text_field, id_
     from ..io import records as data
 
     classifier = setup_classifier(task, model, dtype, threads, method, pool, head)
-    records = list(data.read_records(input, text_field, id_field))
+    records = check_text_field(list(data.read_records(input, text_field, id_field)), text_field)
     with progress(2 * len(records), f"verify [full + {config.mode}]") as bar:
         result = run_verify(classifier, records, config, progress=bar.update)
     agreement = result.agreement
@@ -77,10 +77,10 @@ def verify_labels(input, task, model, config: RunConfig, method, text_field, id_
 def verify_extract(input, task, model, config: RunConfig, text_field, id_field, as_json, dtype, threads, pool) -> None:
     """``verify`` for an extraction task: uncached vs cached generation must be identical, token for token."""
     from ..io import records as data
-    from ..run.extract import verify_extract as run_verify_extract
+    from ..eval.verify_extract import verify_extract as run_verify_extract
 
     extractor = setup_extractor(task, model, dtype, threads, pool)
-    records = list(data.read_records(input, text_field, id_field))
+    records = check_text_field(list(data.read_records(input, text_field, id_field)), text_field)
     with progress(2 * len(records), f"verify extract [full + {config.mode}]") as bar:
         agreement, _, _ = run_verify_extract(extractor, records, config, progress=bar.update)
     report_agreement(

@@ -10,11 +10,7 @@ cluster. :func:`run_ray_classify` here imports Ray only when called.
 
 from __future__ import annotations
 
-from ..errors import PrefixCacheError
-
-
-class RayNotInstalledError(PrefixCacheError):
-    """``--ray`` was asked for, but Ray is not installed here."""
+from ..errors import RayNotInstalledError
 
 
 def run_ray_classify(*args, **kwargs):

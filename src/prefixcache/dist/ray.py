@@ -45,11 +45,12 @@ import pyarrow as pa
 import ray
 import ray.data
 
-from ..errors import InputError, PrefixCacheError, ResourceError
+from ..errors import InputError, PrefixCacheError
 from ..model.load import DEFAULT_MODEL, load_model, local_source
 from ..run.classify import Classifier, RunConfig
 from ..spec.task import Task, load_task
 from .inputs import absolute, block_bytes, input_format
+from .resources import check_gpus, cpus_per_worker
 from .rows import ROW, Finisher, prediction_line, record_of
 from .session import data_context, domain_error, ray_session
 from .sink import PartWriter, StdoutWriter
@@ -230,35 +231,6 @@ def classify_dataset(
     )
 
 
-def cpus_per_worker(threads: int, workers: int, cluster_cpus: float) -> float:
-    """CPUs Ray reserves per worker: ``threads``, or less so that one CPU of the cluster stays free.
-
-    Ray Data runs small tasks of its own (listing files, reading) that each wait for a whole
-    CPU; if the workers held every CPU, those would never run and the job would hang. A
-    worker still runs ``threads`` torch threads whatever Ray reserves.
-    """
-    if cluster_cpus <= 0:
-        return float(threads)
-    return min(float(threads), max(0.0, cluster_cpus - 1) / workers)
-
-
-def check_gpus(num_gpus: float, workers: int, cluster_gpus: float, local: bool) -> None:
-    """Refuse at once a local run whose workers ask for more GPUs than the machine has.
-
-    A local Ray cannot grow, so such workers would never start and the run would only end at
-    ``--start-timeout``. A remote cluster may autoscale, so there the wait is left to Ray.
-
-    Raises:
-        ResourceError: naming what was asked for and what there is.
-    """
-    wanted = num_gpus * workers
-    if local and num_gpus > 0 and wanted > cluster_gpus:
-        raise ResourceError(
-            f"--num-gpus {num_gpus:g} for {workers} worker(s) needs {wanted:g} GPU(s), and this machine's Ray has "
-            f"{cluster_gpus:g}; drop --num-gpus, lower it or --workers, or give --ray-address of a cluster with GPUs"
-        )
-
-
 def read_input(source: str, fmt: str, text_columns: tuple[str, ...] = ()) -> ray.data.Dataset:
     """A Ray Dataset of the input rows (lazy). CSV columns in ``text_columns`` stay text, as a local read leaves them.
 
@@ -322,41 +294,79 @@ def run_ray_classify(
         RunConfig(mode, batch_size, overflow=overflow), text_field, id_field,
         absolute(str(cache_dir)) if cache_dir else None,
     )
-    source = absolute(input)
-    fmt = input_format(source)
-    if "://" not in source and not Path(source).exists():
-        raise InputError(f"{input}: no such input file or folder")
-    if ray_address is None:  # the workers run on this machine: resolve the model here first
-        local_source(spec.model)  # one GGUF conversion here, not one per worker; fails early when unknown
+    source, fmt = _checked_input(input, spec, local=ray_address is None)
     writer = PartWriter(out_dir, rows_per_part) if out_dir is not None else StdoutWriter()
-    text_columns = tuple(c for c in (text_field, id_field, *spec.task.fields) if c)
     finisher, tally = Finisher(input, id_field), Tally()
+    cluster = _Cluster(ray_address, num_gpus, workers, rows_per_call, max_restarts, max_task_retries, start_timeout_s)
     try:
-        with ray_session(ray_address, log), data_context(start_timeout_s, block_bytes(source, workers)):
-            started = time.perf_counter()
-            check_gpus(num_gpus, workers, ray.cluster_resources().get("GPU", 0), local=ray_address is None)
-            num_cpus = cpus_per_worker(spec.threads, workers, ray.cluster_resources().get("CPU", 0))
-            if num_cpus < spec.threads:
-                log(f"ray: reserving {num_cpus:g} CPU per worker (each still runs {spec.threads} thread(s)) "
-                    "so that one CPU stays free for Ray Data's own tasks")
-            ds = read_input(source, fmt, text_columns)
-            ds = classify_dataset(ds, spec, workers, num_gpus, rows_per_call, max_restarts, max_task_retries, num_cpus)
-            errors, first = _drain(ds, finisher, writer, tally, progress)
-            wall = time.perf_counter() - started
+        errors, wall, first_row = _run_job(source, fmt, spec, cluster, finisher, writer, tally, progress, log)
     except BaseException:
         writer.abort()
         raise
     summary = RaySummary(
-        finisher.rows, errors, finisher.duplicates, wall, (first or time.perf_counter()) - started, workers,
-        tuple(tally.workers.values()),
+        finisher.rows, errors, finisher.duplicates, wall, first_row, workers, tuple(tally.workers.values()),
         tuple(str(p) for p in writer.parts),
     )
+    _finish(writer, summary, out_dir, log)
+    return summary
+
+
+def _finish(writer, summary: RaySummary, out_dir, log: Log) -> None:
+    """Close the output (writing ``summary.json`` beside the parts) and log the summary."""
     writer.close(summary.to_json())
     for line in summary.lines():
         log(line)
     if writer.parts:
         log(f"wrote {len(writer.parts)} part(s) and summary.json to {out_dir}")
-    return summary
+
+
+def _checked_input(input: str, spec: WorkerSpec, local: bool) -> tuple[str, str]:
+    """The input as an absolute path or URI, and its format; fails before Ray starts when the input is not
+    there, or (``local``: the workers run on this machine) when the model is not, resolving it here once
+    (one GGUF conversion here, not one per worker)."""
+    source = absolute(input)
+    fmt = input_format(source)
+    if "://" not in source and not Path(source).exists():
+        raise InputError(f"{input}: no such input file or folder")
+    if local:
+        local_source(spec.model)
+    return source, fmt
+
+
+@dataclass(frozen=True)
+class _Cluster:
+    """Where and how the workers run (the arguments of :func:`run_ray_classify` of that name)."""
+
+    address: str | None
+    num_gpus: float
+    workers: int
+    rows_per_call: int | None
+    max_restarts: int | None
+    max_task_retries: int | None
+    start_timeout_s: int
+
+
+def _run_job(source: str, fmt: str, spec: WorkerSpec, cluster: _Cluster, finisher: Finisher, writer, tally: Tally,
+             progress: bool, log: Log) -> tuple[int, float, float]:
+    """Start (or join) Ray, classify the input on the workers and drain it into ``writer``.
+
+    Returns the error lines, the wall seconds, and the seconds until the first row arrived.
+    """
+    text_columns = tuple(c for c in (spec.text_field, spec.id_field, *spec.task.fields) if c)
+    with ray_session(cluster.address, log), data_context(cluster.start_timeout_s, block_bytes(source, cluster.workers)):
+        started = time.perf_counter()
+        resources = ray.cluster_resources()
+        check_gpus(cluster.num_gpus, cluster.workers, resources.get("GPU", 0), local=cluster.address is None)
+        num_cpus = cpus_per_worker(spec.threads, cluster.workers, resources.get("CPU", 0))
+        if num_cpus < spec.threads:
+            log(f"ray: reserving {num_cpus:g} CPU per worker (each still runs {spec.threads} thread(s)) "
+                "so that one CPU stays free for Ray Data's own tasks")
+        ds = read_input(source, fmt, text_columns)
+        ds = classify_dataset(ds, spec, cluster.workers, cluster.num_gpus, cluster.rows_per_call, cluster.max_restarts,
+                              cluster.max_task_retries, num_cpus)
+        errors, first = _drain(ds, finisher, writer, tally, progress)
+        wall = time.perf_counter() - started
+    return errors, wall, (first or time.perf_counter()) - started
 
 
 def _drain(ds: ray.data.Dataset, finisher: Finisher, writer, tally: Tally, progress: bool) -> tuple[int, float | None]:

@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from ..io.jsonl import json_line
 from ..types import Prediction, Record
 
 
@@ -47,7 +48,7 @@ def record_of(row: Mapping[str, object], text_field: str, id_field: str | None) 
     """The Record of one input row, mapped as :func:`prefixcache.io.records.records_from_rows` maps it.
 
     ``text_field`` becomes the Record's ``text``; a null or absent text leaves it out, so the
-    runner reports the record on its own line. Ids come from ``id_field``; without one the id is
+    classifier reports the record on its own line. Ids come from ``id_field``; without one the id is
     :data:`ROW` (the driver numbers rows). A row whose id is missing, blank, or neither a string
     nor an integer becomes a Record with ``error`` set and id None. Never raises on bad data.
     """
@@ -74,7 +75,7 @@ def prediction_line(prediction: Prediction) -> str:
     document = prediction.to_json()
     if document.get("id") is ROW:
         document["id"] = None
-    return json.dumps(document, ensure_ascii=False)
+    return json_line(document)
 
 
 @dataclass
@@ -105,24 +106,24 @@ class Finisher:
             document["id"] = n
             if error is not None:
                 document["error"] = _locate(error, where, f"record {n!r}")
-            return json.dumps(document, ensure_ascii=False), error is not None
+            return json_line(document), error is not None
         if record_id is not None:  # a usable id: the first row that has it keeps it
             first = self._seen.setdefault(record_id, n)
             if first != n:
                 self.duplicates += 1
                 message = f"{where}: duplicate id {record_id!r} (first used at {self.source}: row {first}); ids must be unique"
-                return json.dumps(Prediction(None, error=message).to_json(), ensure_ascii=False), True
+                return json_line(Prediction(None, error=message).to_json()), True
         if error is not None and error.startswith(repr(ROW)):
             document = json.loads(line)
             document["error"] = _locate(error, where, where)
-            return json.dumps(document, ensure_ascii=False), True
+            return json_line(document), True
         return line, error is not None
 
 
 def _locate(error: str, where: str, record: str) -> str:
     """Put the row's position where a worker's message has the placeholder (first occurrence only).
 
-    ``record {ROW!r}`` (the runner naming a record without an id) becomes ``record``;
+    ``record {ROW!r}`` (the classifier naming a record without an id) becomes ``record``;
     a bare leading ``{ROW}`` (a row-level problem) becomes ``where``.
     """
     named = f"record {ROW!r}"

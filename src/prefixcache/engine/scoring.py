@@ -7,7 +7,7 @@ Two methods:
   head are multiplied, never the whole vocabulary.
 * ``full``: the sum of log-probs of *all* of a label's tokens, each normalized
   over the full vocabulary. Needs one extra batched pass over the label
-  continuations (done by the runner); this module only does the arithmetic.
+  continuations (done by the classifier); this module only does the arithmetic.
 
 Either way the result is normalized over the label set: ``scores[b].exp().sum() == 1``.
 

@@ -13,7 +13,7 @@ from typing import Sequence
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import PrefixCacheError
+from ..errors import ExtraNotInstalledError
 from .evaluate import EvalResult
 from .metrics import Metrics
 
@@ -113,9 +113,13 @@ def sweep_document(results: Sequence[EvalResult]) -> dict:
 
 
 def check_plotting() -> None:
-    """Raise before any work is done when ``--plot`` cannot be honoured (matplotlib is an optional extra)."""
+    """Raise before any work is done when a plot cannot be drawn (matplotlib is an optional extra).
+
+    Raises:
+        ExtraNotInstalledError: matplotlib is not installed.
+    """
     if importlib.util.find_spec("matplotlib") is None:
-        raise PrefixCacheError("--plot needs matplotlib: run `pip install 'prefixcache[plot]'` (or drop --plot)")
+        raise ExtraNotInstalledError("plotting needs matplotlib: run `pip install 'prefixcache[plot]'` (or ask for no plot)")
 
 
 def emit(
@@ -130,7 +134,7 @@ def emit(
             out.print(table)
     if plot is None:
         return
-    from ..bench.plots import plot_confusion, plot_example_sweep
+    from .plots import plot_confusion, plot_example_sweep
 
     if sweep:
         first = results[0]

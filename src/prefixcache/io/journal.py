@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO, Iterable, Sequence
 
 from ..errors import InputError
+from .jsonl import json_line, write_line
 from ..types import Prediction, Record
 
 ON_ERROR = ("skip", "fail")
@@ -144,7 +145,7 @@ def check_matches(done: Recovered, records: Sequence[Record], out: Path) -> None
 
 def _as_json(value: object) -> object:
     """``value`` as it reads back from a JSON line (tuples become lists, and so on)."""
-    return json.loads(json.dumps(value, ensure_ascii=False))
+    return json.loads(json_line(value))
 
 
 def write_predictions(
@@ -169,7 +170,7 @@ def write_predictions(
                     f"{prediction.error}\nstopped by --on-error fail after {lines} lines; fix the input, then "
                     "rerun with --resume to continue from this record (or use --on-error skip)"
                 )
-            sink.write(json.dumps(prediction.to_json(), ensure_ascii=False) + "\n")
+            write_line(sink, prediction.to_json())
             lines += 1
             failed += prediction.error is not None
             flagged += prediction.warning is not None

@@ -38,6 +38,7 @@ from typing import IO, BinaryIO, Iterable, Iterator, Mapping
 
 from ..errors import InputError
 from ..types import Prediction, Record
+from .jsonl import write_line
 
 FORMATS = (".csv", ".jsonl", ".ndjson", ".parquet")
 
@@ -271,7 +272,7 @@ def _strict(records: Iterable[Record]) -> Iterator[Record]:
 def write_jsonl(predictions: Iterable[Prediction], out: IO[str]) -> Iterator[Prediction]:
     """Write each prediction as one JSON line (flushed) and pass it on."""
     for prediction in predictions:
-        out.write(json.dumps(prediction.to_json(), ensure_ascii=False) + "\n")
+        write_line(out, prediction.to_json())
         out.flush()
         yield prediction
 

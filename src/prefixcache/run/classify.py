@@ -36,7 +36,7 @@ from ..engine.forward import score_rows
 from ..engine.head import FittedHead, head_rows
 from ..engine.head_file import check as check_head, head_for
 from ..engine.scoring import LabelHead
-from ..errors import HeadMismatchError, InputError, PromptError
+from ..errors import ContextOverflowError, HeadMismatchError, InputError, PromptError
 from ..model.load import LoadedModel
 from ..spec.context import ContextFit, blank_warning, context_limit, label_overhang
 from ..spec.prompt import Encoded, Prompt, build_prompt
@@ -117,7 +117,7 @@ class Classifier(BoundTask):
             try:
                 fitted = self.fit.fit(record.fields, record.id, enc, config.overflow)
             except InputError as exc:
-                return WorkItem(index, record, error=str(exc))
+                return WorkItem(index, record, error=str(exc), overflowed=isinstance(exc, ContextOverflowError))
             enc, warning, truncated = fitted.encoded, fitted.warning, True
         return route(index, record, enc, config.mode, truncated=truncated, warning=warning)
 
@@ -144,6 +144,7 @@ class Classifier(BoundTask):
 
     def _tally(self, stats: RunStats, items: list[WorkItem], results: list[Prediction]) -> None:
         stats.errors += sum(1 for i in items if i.error is not None)
+        stats.context_overflows += sum(1 for i in items if i.overflowed)
 
 
 def records_from_texts(texts: Iterable[str]) -> list[Record]:

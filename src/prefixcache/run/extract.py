@@ -1,13 +1,12 @@
 """Extraction tasks: records in, JSON fields out, generated greedily from the cached prefix.
 
-An :class:`~prefixcache.spec.task.ExtractTask` is rendered like a classification
-task (chat template, sentinel, checked token boundary), with the declared
-fields in the system message and each example's answer as a JSON object. The
-:class:`Extractor` then runs the same record loop as the classifier per window
+An :class:`Extractor` is a :class:`~prefixcache.run.loop.BoundTask` over an extraction prompt
+(:mod:`prefixcache.spec.extract_prompt`); it runs the same record loop as the classifier per window
 of records (prepare, plan, run, report; see :mod:`prefixcache.run.loop`):
 
 * run: one :func:`~prefixcache.engine.generate.generate_rows` call per batch;
-* report: parse each output as JSON; Extractions are yielded in input order.
+* report: parse each output as JSON (:func:`~prefixcache.spec.answer.parse_fields`); Extractions are
+  yielded in input order.
 
 Modes are the classifier's (:class:`~prefixcache.types.Mode`): ``full`` generates
 from the whole prompt (the uncached baseline), ``cached`` one record at a time
@@ -15,129 +14,24 @@ after the stored prefix, ``batched`` many at once. A record that cannot be
 rendered, or whose output is not a JSON object with the declared fields, gets
 an Extraction with ``error`` set; it is never dropped.
 
-Also here: :func:`compare_extractions` / :func:`verify_extract` (cached output
-must be token-for-token the uncached output) and :func:`run_extract_bench`
-(time-to-first-token and tokens/s, cached vs uncached).
+Elsewhere: the agreement of cached and uncached output (:mod:`prefixcache.eval.verify_extract`) and
+the extraction benchmark (:mod:`prefixcache.bench.extract_lanes`).
 """
 
 from __future__ import annotations
 
-import json
-import statistics
-import time
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
 
 from ..cache.kv import PrefixKV
 from ..cache.pool import PrefixPool
 from ..engine.generate import Generation, GenerationConfig, eos_ids_of, generate_rows
 from ..model.load import LoadedModel
-from ..spec.prompt import SENTINEL, RecordSlot, split_at_sentinel, template_lead
-from ..spec.restart import Restart
+from ..spec.answer import parse_fields
+from ..spec.extract_prompt import build_extract_prompt
 from ..spec.task import ExtractTask
-from ..types import Mode, Record, RunConfig, WindowStats
+from ..types import Record, RunConfig, WindowStats
 from .loop import BoundTask, WorkItem
-
-# ---------------------------------------------------------------------------
-# The prompt
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ExtractPrompt(RecordSlot):
-    """An extraction task rendered for one tokenizer (see :class:`prefixcache.spec.prompt.Prompt` for the fields)."""
-
-    task: ExtractTask
-    prefix_text: str
-    lead: str
-    tail_text: str
-    prefix_ids: tuple[int, ...]
-    heal: int
-    restart: Restart | None = None
-
-    @property
-    def input_names(self) -> list[str]:
-        return self.task.input_fields
-
-
-def answer_json(task: ExtractTask, values: Mapping[str, object]) -> str:
-    """The JSON an example answers with: the declared fields in declared order."""
-    return json.dumps({name: values.get(name) for name in task.fields}, ensure_ascii=False)
-
-
-def render_extract_messages(task: ExtractTask) -> list[dict[str, str]]:
-    """Chat messages for ``task`` with :data:`~prefixcache.spec.prompt.SENTINEL` in place of the record."""
-    declared = "\n".join(f"- {name}: {description}" for name, description in task.fields.items())
-    system = (
-        f"{task.instruction.strip()}\n\nFields:\n{declared}\n\n"
-        f"Answer with one JSON object with exactly these keys: {', '.join(task.fields)}. "
-        "Use null for a field the text does not give."
-    )
-    messages = [{"role": "system", "content": system}]
-    for example in task.examples:
-        filled = task.input_template.format(**{f: example.text for f in task.input_fields})
-        answer = answer_json(task, example.fields)
-        messages += [{"role": "user", "content": filled}, {"role": "assistant", "content": answer}]
-    messages.append({"role": "user", "content": _lead(task) + SENTINEL})
-    return messages
-
-
-def _lead(task: ExtractTask) -> str:
-    return template_lead(task.input_template, task.input_fields[0])
-
-
-def build_extract_prompt(task: ExtractTask, tokenizer) -> ExtractPrompt:
-    """Render ``task`` with ``tokenizer``'s chat template and heal the prefix boundary.
-
-    Raises:
-        PromptError: no chat template, a sentinel problem, or an unhealable boundary.
-    """
-    split = split_at_sentinel(tokenizer, render_extract_messages(task))
-    return ExtractPrompt(task, split.prefix_text, _lead(task), split.tail_text, split.prefix_ids, split.heal, split.restart)
-
-
-# ---------------------------------------------------------------------------
-# Parsing the output
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ParsedFields:
-    """The declared fields found in an output (``None`` when no JSON object was found) and what went wrong."""
-
-    fields: dict | None
-    error: str | None = None
-
-
-def parse_fields(raw: str, declared: list[str]) -> ParsedFields:
-    """Parse the first JSON object in ``raw`` and keep the declared fields (other keys are dropped).
-
-    Never raises: a missing object, invalid JSON or a missing field is reported in ``error``.
-    """
-    start = raw.find("{")
-    if start < 0:
-        return ParsedFields(None, f"no JSON object in the output: {_excerpt(raw)}")
-    try:
-        value, _ = json.JSONDecoder().raw_decode(raw[start:])
-    except json.JSONDecodeError as exc:
-        where = f"{exc.msg} at character {start + exc.pos}"
-        return ParsedFields(None, f"output is not valid JSON ({where}): {_excerpt(raw)}")
-    if not isinstance(value, dict):
-        return ParsedFields(None, f"output is JSON but not an object: {_excerpt(raw)}")
-    fields = {name: value[name] for name in declared if name in value}
-    missing = [name for name in declared if name not in value]
-    if missing:
-        return ParsedFields(fields, f"output lacks field(s) {', '.join(missing)}")
-    return ParsedFields(fields)
-
-
-def _excerpt(text: str, limit: int = 80) -> str:
-    return json.dumps(text if len(text) <= limit else text[:limit] + "...", ensure_ascii=False)
-
-
-# ---------------------------------------------------------------------------
-# The extractor
-# ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -229,154 +123,3 @@ class Extractor(BoundTask):
     def _tally(self, stats: ExtractStats, items: list[WorkItem], results: list[Extraction]) -> None:
         stats.errors += sum(1 for r in results if r.error is not None)
         stats.parse_errors += sum(1 for r in results if r.error is not None and r.raw is not None)
-
-
-# ---------------------------------------------------------------------------
-# Verification: cached output must be the uncached output, token for token
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ExtractAgreement:
-    """How two extraction runs over the same records compare (``identical``: same generated tokens)."""
-
-    records: int
-    identical: int
-    same_fields: int
-    differing_ids: list
-
-    @property
-    def rate(self) -> float:
-        return self.identical / self.records if self.records else 1.0
-
-    @property
-    def ok(self) -> bool:
-        return self.identical == self.records
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-def compare_extractions(reference: list[Extraction], candidate: list[Extraction]) -> ExtractAgreement:
-    """Compare record by record (same order, same ids). Records that errored before generating must error in both.
-
-    Raises:
-        ValueError: the two runs hold different records or orders.
-    """
-    if [e.id for e in reference] != [e.id for e in candidate]:
-        raise ValueError("the two runs did not return the same records in the same order")
-    identical = same_fields = 0
-    differing = []
-    for ref, cand in zip(reference, candidate):
-        same_output = ref.token_ids == cand.token_ids and ref.raw == cand.raw
-        same = same_output and (ref.raw is not None or ref.error == cand.error)
-        identical += same
-        same_fields += ref.fields == cand.fields
-        if not same:
-            differing.append(ref.id)
-    return ExtractAgreement(len(reference), identical, same_fields, differing)
-
-
-def verify_extract(
-    extractor: Extractor, records: list[Record], config: RunConfig, progress: Callable[[int], None] | None = None
-) -> tuple[ExtractAgreement, ExtractStats, ExtractStats]:
-    """Run ``full`` (uncached) and ``config.mode`` over ``records``; compare their outputs token for token."""
-    ref_stats, cand_stats = ExtractStats(), ExtractStats()
-    reference = extractor.extract_all(records, RunConfig(Mode.FULL, 1, config.window), progress=progress, stats=ref_stats)
-    candidate = extractor.extract_all(records, config, progress=progress, stats=cand_stats)
-    return compare_extractions(reference, candidate), ref_stats, cand_stats
-
-
-# ---------------------------------------------------------------------------
-# Benchmark: time to first token and tokens/s, cached vs uncached
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ExtractLaneResult:
-    """One extraction lane's figures; ``identical`` is the share of records whose output equals the ``full`` lane's."""
-
-    mode: str
-    batch_size: int
-    records: int
-    seconds: float
-    ttft_ms_mean: float
-    ttft_ms_p50: float
-    tokens_generated: int
-    tokens_per_s: float
-    prefill_tokens: int
-    identical: float
-    parse_errors: int
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-def bench_extract(
-    extractor: Extractor, records: list[Record], batch_size: int, log: Callable[[str], None] = print
-) -> list[ExtractLaneResult]:
-    """Time full (uncached), cached and batched extraction on the same records, after a warm-up."""
-    extractor.extract_all(records[:1], RunConfig(Mode.BATCHED, 1))  # builds the prefix, warms kernels
-    results, reference = [], None
-    for mode in Mode:  # full (the reference) first
-        size = mode.pass_size(batch_size)
-        log(f"running extract [{mode}] on {len(records)} records ...")
-        stats = ExtractStats()
-        started = time.perf_counter()
-        outputs = extractor.extract_all(records, RunConfig(mode, size), stats=stats)
-        seconds = time.perf_counter() - started
-        reference = reference or outputs
-        ttft = [1000 * s for s in stats.first_token_s] or [0.0]
-        results.append(
-            ExtractLaneResult(
-                mode.value, size, len(records), seconds, statistics.fmean(ttft), statistics.median(ttft),
-                stats.tokens_generated,
-                stats.tokens_generated / seconds if seconds else 0.0, stats.prefill_tokens,
-                compare_extractions(reference, outputs).rate, stats.parse_errors,
-            )
-        )
-    return results
-
-
-def run_extract_bench(options, log: Callable[[str], None] = print):
-    """``prefixcache bench --task <extract task>``: ``(BenchReport, document)``, like :func:`prefixcache.bench.lanes.run_bench`.
-
-    The report's rows are :class:`~prefixcache.bench.lanes.ModeResult` (``label_agreement`` is the share of
-    identical outputs); the document's ``extract`` list holds time-to-first-token and tokens/s per lane.
-    """
-    from ..bench.lanes import BenchReport, ModeResult, dtype_name
-    from ..model.load import load_model, load_random_model, set_threads
-    from ..spec.task import load_any_task
-    from ..bench.workload import ticket_records
-
-    task = load_any_task(options.task)
-    threads = set_threads(options.threads)
-    if options.model_config:
-        loaded = load_random_model(options.model_config, options.dtype, threads, tokenizer_from=options.model)
-    else:
-        loaded = load_model(options.model, options.dtype, threads)
-    extractor = Extractor(loaded, task)
-    log(f"model {loaded.identity}, {threads} threads, dtype {dtype_name(loaded.dtype)}, extract task {task.name}")
-    records = ticket_records(options.items)
-    lanes = bench_extract(extractor, records, options.batch_size, log)
-    full_seconds = lanes[0].seconds
-    for lane in lanes:
-        log(
-            f"extract [{lane.mode}] B={lane.batch_size}: time to first token {lane.ttft_ms_mean:.1f} ms (median "
-            f"{lane.ttft_ms_p50:.1f}), {lane.tokens_per_s:.1f} tokens/s, {lane.identical:.0%} identical to uncached"
-        )
-    rows = [
-        ModeResult(
-            lane.mode, dtype_name(loaded.dtype), lane.batch_size, lane.records, lane.seconds,
-            full_seconds / lane.seconds if lane.seconds else float("inf"), lane.identical, 0.0,
-            lane.prefill_tokens + lane.tokens_generated,
-        )
-        for lane in lanes
-    ]
-    document = {
-        "model": loaded.identity, "dtype": dtype_name(loaded.dtype), "threads": threads, "task": task.name,
-        "kind": "extract", "items": len(records), "prefix_tokens": len(extractor.prompt.prefix_ids),
-        "prefix_seconds": extractor.prefix_seconds, "modes": [r.to_json() for r in rows],
-        "extract": [lane.to_json() for lane in lanes],
-    }
-    return BenchReport(rows, {}), document

@@ -48,6 +48,7 @@ class WorkItem:
     full: bool = False  # fed after the empty prefix (full re-encode or boundary fallback)
     boundary_fallback: bool = False  # full only because its tokens cross the prefix boundary (a cached mode)
     error: str | None = None  # set: the record is reported, never run
+    overflowed: bool = False  # the error: its prompt does not fit the model's context
     truncated: bool = False  # a field was cut to fit the context (classification's --overflow truncate)
     warning: str | None = None
 

@@ -2,7 +2,7 @@
 
 Modules: ``settings`` (limits, one frozen dataclass), ``runners`` (what a task
 kind does with a batch), ``batcher`` (merging requests into passes),
-``service`` (registry + threads), ``middleware`` (metrics, auth, body limit),
+``service`` (registry + threads), ``prometheus`` (metrics), ``middleware`` (metrics, auth, body limit),
 ``schemas`` (HTTP bodies), ``app`` (routes), ``run`` (uvicorn on a socket),
 ``static/index.html`` (the web page).
 

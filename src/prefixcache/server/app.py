@@ -27,11 +27,13 @@ from typing import Sequence
 from fastapi import FastAPI, Path, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from ..errors import InputError, PoolBudgetError, PrefixCacheError, PromptError, TaskError
+from ..errors import (
+    InputError, ItemError, PoolBudgetError, PrefixCacheError, PromptError, QueueFullError, RequestLimitError,
+    ShuttingDownError, TaskError, TaskUploadError, UnknownTaskError, WrongTaskKindError,
+)
 from ..model.load import LoadedModel
 from ..spec.task import ExtractTask, Task, parse_task
-from .errors import QueueFullError, ServerError, TaskUploadError
-from .metrics import Metrics
+from .prometheus import Metrics
 from .middleware import PUBLIC_PATHS, BearerAuth, BodyLimit, RequestMetrics
 from .runners import RUNNER_KINDS
 from .schemas import (
@@ -80,6 +82,14 @@ def create_app(
 
 
 def _routes(app: FastAPI, service: Service) -> None:
+    """Every route, in the order the OpenAPI document lists them: service, items, tasks."""
+    _service_routes(app, service)
+    _item_routes(app, service)
+    _task_routes(app, service)
+
+
+def _service_routes(app: FastAPI, service: Service) -> None:
+    """The web page, health, Prometheus metrics and the page's live figures."""
     page, page_csp = _web_page()
 
     @app.get("/", include_in_schema=False)
@@ -104,6 +114,9 @@ def _routes(app: FastAPI, service: Service) -> None:
         """Live figures: items/s over the last 10 s, prefix hit rate, queue depth."""
         return Stats(**service.metrics.summary(service.batcher.depth, service.batcher.in_progress, len(service.tasks())))
 
+
+def _item_routes(app: FastAPI, service: Service) -> None:
+    """Classification and extraction of request items."""
     @app.post("/v1/classify", response_model=ClassifyResponse, response_model_exclude_none=True, tags=["items"])
     async def classify(body: ItemsRequest) -> ClassifyResponse:
         """Classify every item with the task's labels. Results come back in the items' order."""
@@ -121,6 +134,9 @@ def _routes(app: FastAPI, service: Service) -> None:
         results, usage = await service.run("extract", body.task, body.records())
         return ExtractResponse(results=results, usage=UsageOut(**asdict(usage)))
 
+
+def _task_routes(app: FastAPI, service: Service) -> None:
+    """Listing, uploading and deleting tasks."""
     @app.get("/v1/tasks", response_model=TaskList, tags=["tasks"])
     async def list_tasks() -> TaskList:
         return TaskList(tasks=[TaskInfo(**runner.describe()) for runner in service.tasks()])
@@ -189,14 +205,19 @@ async def _error_response(request: Request, exc: PrefixCacheError) -> JSONRespon
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+# An error type's HTTP status; the first entry the error is an instance of wins, anything else is a 500.
+STATUS: tuple[tuple[type[PrefixCacheError], int], ...] = (
+    (UnknownTaskError, 404),
+    ((WrongTaskKindError, ItemError, RequestLimitError, TaskUploadError), 422),
+    (QueueFullError, 429),
+    (ShuttingDownError, 503),
+    ((TaskError, PromptError, InputError), 422),
+    (PoolBudgetError, 503),  # a pass's prefix no longer fits (pinned prefixes fill the pool)
+)
+
+
 def _status(exc: PrefixCacheError) -> int:
-    if isinstance(exc, ServerError):
-        return exc.status
-    if isinstance(exc, (TaskError, PromptError, InputError)):
-        return 422
-    if isinstance(exc, PoolBudgetError):  # a pass's prefix no longer fits (pinned prefixes fill the pool)
-        return 503
-    return 500
+    return next((status for kinds, status in STATUS if isinstance(exc, kinds)), 500)
 
 
 def _web_page() -> tuple[str, str]:

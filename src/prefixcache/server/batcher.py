@@ -45,8 +45,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from .errors import QueueFullError, ShuttingDownError
-from .metrics import Metrics
+from .prometheus import Metrics
+from ..errors import QueueFullError, ShuttingDownError
 from ..run.loop import WorkItem
 from .runners import TaskRunner
 from .settings import ServerSettings

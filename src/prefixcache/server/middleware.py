@@ -20,7 +20,7 @@ import json
 import time
 from typing import Awaitable, Callable
 
-from .metrics import Metrics
+from .prometheus import Metrics
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import uvicorn
 
+from ..errors import SettingsError
 from ..model.load import LoadedModel
 from ..spec.task import Task
 from .app import create_app
@@ -47,7 +48,10 @@ def run_server(loaded: LoadedModel, tasks: Sequence[Task], settings: ServerSetti
     """Serve until interrupted (Ctrl-C / SIGTERM finish in-flight requests first)."""
     if settings.api_key is None and not _is_loopback(settings.host):
         log.warning("listening on %s without PREFIXCACHE_API_KEY: anyone who can reach it can use it", settings.host)
-    sock = bind_socket(settings.host, settings.port)
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as exc:
+        raise SettingsError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from None
     host, port = sock.getsockname()[:2]
     app = create_app(loaded, tasks, settings)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug"))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import Callable, ClassVar, Protocol, Sequence
 
+from ..errors import ItemError, TaskUploadError
 from ..run.loop import BoundTask, WorkItem
 from ..run.extract import Extractor
 from ..model.load import LoadedModel
@@ -40,7 +41,6 @@ from ..cache.pool import PrefixKey, PrefixPool
 from ..run.classify import Classifier
 from ..types import Record, RunConfig
 from ..spec.task import ExtractTask, Task
-from .errors import ItemError, TaskUploadError
 from .settings import ServerSettings
 
 

@@ -33,14 +33,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..errors import PoolBudgetError
+from ..errors import PoolBudgetError, RequestLimitError, TaskUploadError, UnknownTaskError, WrongTaskKindError
 from ..model.load import LoadedModel
 from ..cache.pool import PoolConfig, PrefixPool
 from ..types import Record
 from ..spec.task import ExtractTask, Task
 from .batcher import MicroBatcher
-from .errors import RequestLimitError, TaskUploadError, UnknownTaskError, WrongTaskKindError
-from .metrics import Metrics
+from .prometheus import Metrics
 from .runners import TaskRunner, build_runner, reused_prefix_tokens
 from .settings import ServerSettings
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields, replace
 
+from ..errors import SettingsError
 from ..cache.config import PoolConfig
-from .errors import SettingsError
 
 API_KEY_ENV = "PREFIXCACHE_API_KEY"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+DEFAULT_LOG_LEVEL = "info"
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Mapping
 
 import torch
 
-from ..errors import InputError
+from ..errors import ContextOverflowError, InputError
 from ..types import OVERFLOW
 from .prompt import Encoded, Prompt
 
@@ -90,16 +90,16 @@ class ContextFit:
         """Apply ``policy`` to a record that :meth:`overflows`.
 
         Raises:
-            InputError: under ``error``; or under ``truncate`` when not even one character of the
-                field fits (the task's prefix leaves no room). Names the record and the field.
+            ContextOverflowError: under ``error``. InputError: under ``truncate``, when not even one
+                character of the field fits (the task's prefix leaves no room). Both name the record and the field.
         """
         if policy not in OVERFLOW:
             raise ValueError(f"overflow policy must be one of {OVERFLOW}, not {policy!r}")
         name = max(self.prompt.task.fields, key=lambda f: len(str(fields[f])))
         if policy == "error":
-            raise InputError(
+            raise ContextOverflowError(
                 f"record {record_id!r}: field {name!r} is too long: the prompt needs {self.needed(encoded)} tokens "
-                f"but the model's context is {self.limit}; shorten it, or pass --overflow truncate"
+                f"but the model's context is {self.limit}; shorten it, or have it cut to fit (overflow policy 'truncate')"
             )
         text = str(fields[name])
         keep, fitted = self._longest_start(fields, record_id, name, text)

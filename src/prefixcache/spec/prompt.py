@@ -10,7 +10,7 @@ Invariant 3: a record is only ever fed as ``prefix_ids + suffix_ids`` where
 tokenizer merges across the boundary (a trailing space, a split mid-word), the
 stored prefix is *healed*: its last token(s) move into every suffix. Records
 are still checked one by one; one that breaks the boundary anyway is reported
-(``Encoded.suffix_ids is None``) so the runner can re-encode it in full.
+(``Encoded.suffix_ids is None``) so the record loop can re-encode it in full.
 
 Few-shot examples: the prompt always shows
 :func:`prefixcache.spec.selection.resolve_examples` of the task (its fixed

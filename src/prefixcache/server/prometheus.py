@@ -1,4 +1,4 @@
-"""Metrics: Prometheus series for ``/metrics`` and a small JSON summary for the web page.
+"""Prometheus metrics: the series for ``/metrics`` and a small JSON summary for the web page.
 
 Every :class:`Metrics` owns its own ``CollectorRegistry``, so several apps in
 one process (tests) never share counters.

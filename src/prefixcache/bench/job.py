@@ -1,0 +1,87 @@
+"""The ``prefixcache bench`` job: load the model(s), build the lanes, run them on one workload, and
+write every figure into one JSON document (an extraction task runs :mod:`.extract_lanes` instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Callable
+
+import torch
+
+from ..model.load import load_model, load_random_model, resolve_device, resolve_dtype, set_threads
+from ..run.classify import Classifier
+from ..spec.task import ExtractTask, load_any_task, load_task
+from .extract_lanes import run_extract_bench
+from .lanes import BenchReport, Lane, classifier_lane, dtype_name, matmul_peak_gflops, run_lanes, same_dtype_copy, sweep_prefix
+from .options import BenchOptions
+from .peers import llama_cpp_lane
+from .workload import ticket_records
+
+
+def build_lanes(options: BenchOptions, log: Callable[[str], None]) -> tuple[list[Lane], dict, object]:
+    """Load the model(s) and make the lanes: full, cached, batched in float32, then full and batched at
+    the ``auto`` dtype when that differs, then llama.cpp when available."""
+    task = load_task(options.task)
+    threads = set_threads(options.threads)
+    run_dtype = resolve_dtype(options.dtype, resolve_device(None))
+    if options.model_config:
+        base = load_random_model(options.model_config, "float32", threads, tokenizer_from=options.model)
+    else:
+        base = load_model(options.model, "float32", threads)
+    log(f"model {base.identity}, {threads} threads, run dtype {dtype_name(run_dtype)}")
+    reference = Classifier(base, task)
+    lanes = [
+        classifier_lane("full", reference, "full"),
+        classifier_lane("cached", reference, "cached"),
+        classifier_lane("batched", reference, "batched", options.batch_size),
+    ]
+    if run_dtype != torch.float32:
+        fast = Classifier(same_dtype_copy(base, run_dtype), task)
+        lanes += [
+            classifier_lane("full", fast, "full"),
+            classifier_lane("batched", fast, "batched", options.batch_size),
+        ]
+    if options.llama_cpp and not options.model_config:
+        lane = llama_cpp_lane(options.model, reference, threads, log)
+        if lane is not None:
+            lanes.append(lane)
+    meta = {"dtype": dtype_name(run_dtype), "threads": threads, "prefix_tokens": len(reference.prompt.prefix_ids), "task": task.name, "model": base.identity}
+    return lanes, meta, base
+
+
+def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> tuple[BenchReport, dict]:
+    """Run every lane on the workload and return the report plus the JSON document.
+
+    An extraction task (``kind: extract``) runs :func:`prefixcache.bench.extract_lanes.run_extract_bench` instead.
+    """
+    if isinstance(load_any_task(options.task), ExtractTask):
+        return run_extract_bench(options, log)
+    lanes, meta, base = build_lanes(options, log)
+    records = ticket_records(options.items)
+    dtypes = sorted({lane.dtype for lane in lanes if lane.dtype in ("float32", "bfloat16", "float16")})
+    peaks = {d: matmul_peak_gflops(getattr(torch, d), base.device) for d in dtypes}
+    log("matmul peak: " + ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in peaks.items()))
+    report = run_lanes(lanes, records, peaks, on_lane=lambda name: log(f"running {name} on {len(records)} items ..."))
+    tokenizer = base.tokenizer
+    suffix_tokens = [len(tokenizer(str(r.fields["text"]), add_special_tokens=False)["input_ids"]) for r in records]
+    document = {
+        **meta,
+        "items": len(records),
+        "peak_gflops": peaks.get(meta["dtype"]),
+        "peaks_gflops": peaks,
+        "mean_suffix_tokens": sum(suffix_tokens) / len(suffix_tokens),
+        "modes": [r.to_json() for r in report.results],
+    }
+    if options.sweep_targets:
+        points = sweep_prefix(
+            base if meta["dtype"] == "float32" else same_dtype_copy(base, getattr(torch, meta["dtype"])),
+            load_task(options.task),
+            records[: options.sweep_items],
+            options.sweep_targets,
+            options.batch_size,
+            options.sweep_full_items,
+            on_point=lambda p: log(f"sweep: prefix {p.prefix_tokens} tokens: full {p.full_ms_per_item:.1f} ms/item, batched {p.batched_ms_per_item:.2f} ms/item"),
+        )
+        document["sweep"] = [asdict(p) | {"speedup": p.speedup} for p in points]
+    return report, document
