@@ -218,3 +218,15 @@ def test_a_task_file_names_its_head_relative_to_itself(tmp_path):
     assert load_task(folder / "a.yaml").head == str(absolute)
     (folder / "n.yaml").write_text(TASK_YAML)
     assert load_task(folder / "n.yaml").head is None
+
+
+def test_fit_and_score_never_scores_a_fitted_text(tiny_llama, task):
+    from prefixcache.eval.holdout import fit_and_score
+
+    records, gold = separable_rows(90, seed=4)
+    twins = [Record(f"twin-{r.id}", {"text": r.fields["text"] + " !"}) for r in records[:18]]  # same normalized text
+    result = fit_and_score(tiny_llama, task, records + twins, gold + gold[:18], feature=FEATURE, folds=3, seed=0)
+    assert result.fitted_rows == 54 and result.scored_rows + result.dropped == 54
+    assert result.dropped > 0, "some twins fall on the other side of the split and must not be scored"
+    assert result.head.records == result.scored_rows and result.prompt.records == result.scored_rows
+    assert result.head.accuracy >= 0.9 and result.head.accuracy > result.prompt.accuracy + 0.3

@@ -18,6 +18,7 @@ from rich.console import Console
 
 from ..types import Mode, RunConfig, RunStats
 from .boundary import boundary, err, out
+from .demo_head import fitted_head_section
 from .loading import setup_classifier
 from .options import BatchOpt, DtypeOpt, ModelOpt, ThreadsOpt
 from .reports import timing_table
@@ -72,6 +73,7 @@ def run_demo(classifier, batch_size: int, subset: int, out_dir: Path, out: Conso
         f"{stats.records / stats.seconds:.1f} tickets/s, prefix of {classifier.prompt.prefix_ids.__len__()} tokens "
         f"built once in {classifier.prefix_seconds:.2f} s"
     )
+    fitted = fitted_head_section(classifier, records, gold, batch_size, out, err)
 
     reference = float32_twin(classifier)
     err.print(f"timing full vs cached vs batched on {subset} tickets (float32, where the cached path is exact) ...")
@@ -86,6 +88,7 @@ def run_demo(classifier, batch_size: int, subset: int, out_dir: Path, out: Conso
         "method": classifier.method,
         "prefix_tokens": len(classifier.prompt.prefix_ids),
         "accuracy": accuracy,
+        "fitted_head": fitted,
         "records": len(predictions),
         "timing": [r.to_json() for r in results],
     }

@@ -1,0 +1,79 @@
+"""Fit on part of the labelled rows, score on the rest: the prompt's own labels against a fitted head.
+
+:func:`fit_and_score` collects every row's features in one batched pass, splits the rows once
+(stratified by label), fits a head on one part (:func:`~prefixcache.eval.fit_head.fit_head`) and scores
+the prompt and the head on the other. A scored row never shares its normalized text with a fitted row
+(:func:`~prefixcache.engine.head_file.text_hash`): such rows are dropped from the scored part and
+counted, so a duplicated text cannot inflate the head's figure. ``make demo`` prints this.
+
+This module does not print.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+from sklearn.model_selection import train_test_split
+
+from ..errors import InputError
+from ..run.features import collect_features
+from .fit_curve import subset
+from .fit_head import FitResult, fit_head
+from .metrics import Metrics, compute_metrics
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """Figures on the scored part: ``prompt`` (its own first-token labels) and ``head``; ``dropped``: scored
+    rows left out because a fitted row has the same normalized text."""
+
+    fitted_rows: int
+    scored_rows: int
+    dropped: int
+    prompt: Metrics
+    head: Metrics
+    fit: FitResult
+
+    def to_json(self) -> dict:
+        return {"fitted_rows": self.fitted_rows, "scored_rows": self.scored_rows, "dropped_duplicates": self.dropped,
+                "prompt_accuracy": self.prompt.accuracy, "head_accuracy": self.head.accuracy,
+                "head_macro_f1": self.head.macro_f1, "C": self.fit.C, "folds": self.fit.folds}
+
+
+def fit_and_score(
+    loaded,
+    task,
+    records: Sequence,
+    gold: Sequence[str],
+    *,
+    held_out: float = 0.5,
+    seed: int = 0,
+    feature: str = "last",
+    on_prompt: bool = False,
+    folds: int = 5,
+    batch_size: int = 32,
+    progress: Callable[[int], None] | None = None,
+) -> HeldOut:
+    """Fit on ``1 - held_out`` of ``records`` (stratified by ``gold``), score on the rest.
+
+    Raises:
+        InputError: a record cannot be run (naming it), or a gold label outside the task's labels.
+    """
+    features = collect_features(loaded, task, records, feature=feature, batch_size=batch_size, progress=progress)
+    if features.errors:
+        key, message = next(iter(features.errors.items()))
+        raise InputError(f"{len(features.errors)} row(s) cannot be run, e.g. {key!r}: {message}")
+    labels = np.array(gold)
+    fitted, scored = train_test_split(np.arange(len(labels)), test_size=held_out, stratify=labels, random_state=seed)
+    seen = {features.text_hashes[i] for i in fitted}
+    kept = np.array([i for i in scored if features.text_hashes[i] not in seen], dtype=np.int64)
+    result = fit_head(subset(features, fitted), list(labels[fitted]), folds=folds, on_prompt=on_prompt, seed=seed)
+    part = subset(features, kept)
+    order = features.labels
+    head = result.head.predict(part.features, part.prompt_logprobs)
+    prompt = [order[j] for j in part.prompt_logprobs.argmax(axis=1)]
+    truth = list(labels[kept])
+    return HeldOut(len(fitted), len(kept), len(scored) - len(kept), compute_metrics(truth, prompt, order),
+                   compute_metrics(truth, head, order), result)
