@@ -23,7 +23,7 @@ from prefixcache.spec.task import ExtractTask, load_any_task, parse_task
 
 from conftest import EXTRACT_YAML as CONFTEST_EXTRACT_YAML
 from conftest import TASK_YAML, TEXTS
-from test_server import (
+from test_server_app import (
     TASK, assert_same_prediction, call, metric, metric_samples, post_concurrently, requests_of_sizes, serving, unmerged_passes,
 )
 

@@ -1,7 +1,7 @@
 """The output journal (``resume``) on its own: what ``recover`` keeps, cuts and refuses, what
 ``check_matches`` accepts, and what ``write_predictions`` writes, counts and syncs.
 
-The end-to-end kill-and-resume tests (tests/test_reliability_resume.py) run the CLI in a subprocess;
+The end-to-end kill-and-resume tests (tests/test_cli_resume.py) run the CLI in a subprocess;
 these pin each rule of the journal in-process, one rule per test.
 """
 

@@ -2,7 +2,7 @@
 
 The option checks need no Ray and always run. The one Ray run (a local Ray, 2 workers, a
 tiny model saved to a folder) is skipped without Ray, except in CI (``CI`` set), where a
-missing Ray is an error, as in ``tests/test_ray.py``.
+missing Ray is an error, as in ``tests/test_dist_ray.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The micro-batcher's contract beyond the wait rule (tests/test_batcher.py): admission and its
+"""The micro-batcher's contract beyond the wait rule (tests/test_server_batcher.py): admission and its
 bound, Retry-After, queue depth, which queue goes first, and how failures and shutdown reach requests.
 
 A fake runner on a real model thread (no model, no HTTP). Passes are ordered by gating the model
