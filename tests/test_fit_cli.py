@@ -136,3 +136,19 @@ def test_fit_names_the_row_and_field_of_an_unknown_label(fitted, model_dir, tmp_
                      "--out", tmp_path / "h.safetensors")
     assert result.exit_code == 2
     assert "'label'" in result.output and "r3-4" in result.output and "shipping" in result.output
+
+
+def test_ray_workers_score_through_the_head_as_a_local_run_does(fitted, model_dir, tmp_path):
+    pytest.importorskip("ray.data", reason="Ray is not installed: pip install 'prefixcache[ray]'")
+    common = ["--task", fitted["task"], "--model", model_dir, "--dtype", "float32", "--id-field", "id",
+              "--threads", "1", "--batch-size", "4", "--head", fitted["head"]]
+    local = _invoke("classify", fitted["held"], *common, "--out", tmp_path / "local.jsonl")
+    assert local.exit_code == 0, local.output
+    on_ray = _invoke("classify", fitted["held"], *common, "--ray", "--workers", "1", "--out", tmp_path / "ray")
+    assert on_ray.exit_code == 0, on_ray.output
+    want = [json.loads(line) for line in (tmp_path / "local.jsonl").read_text().splitlines()]
+    parts = sorted((tmp_path / "ray").glob("part-*.jsonl"))
+    got = [json.loads(line) for part in parts for line in part.read_text().splitlines()]
+    assert [g["label"] for g in got] == [w["label"] for w in want]
+    drift = max(abs(g["scores"][k] - w["scores"][k]) for g, w in zip(got, want) for k in w["scores"])
+    assert drift < 1e-4, f"Ray's head probabilities drift by {drift:.2e} from the local run's"

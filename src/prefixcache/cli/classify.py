@@ -70,11 +70,9 @@ def classify(
     config = RunConfig(choice(mode, MODES, "--mode"), batch_size, window, choice(overflow, OVERFLOW, "--overflow"))
     policy = choice(on_error, ON_ERROR, "--on-error")
     check_ray_options(ctx, ray, input, policy)
-    if ray and head is not None:
-        raise typer.BadParameter("--head does not work with --ray yet: name the head in the task file (head:) instead")
     if ray:
-        return classify_on_ray(input, task, model, config, method, text_field, id_field, out_path, dtype, threads,
-                               cache_dir, ray_address, workers, num_gpus)
+        return classify_on_ray(input, task_with_head(task, head), model, config, method, text_field, id_field, out_path,
+                               dtype, threads, cache_dir, ray_address, workers, num_gpus)
     if resume and out_path is None:
         raise typer.BadParameter("--resume needs --out: the output file is what it resumes")
     output_path(out_path, "--out")
@@ -132,6 +130,19 @@ def check_ray_options(ctx: typer.Context, ray: bool, input: str, on_error: str) 
                                  "(as with --on-error skip) and the exit code is 1")
     if input == "-":
         raise typer.BadParameter("--ray reads files, not stdin: write the input to a .jsonl file and pass its path")
+
+
+def task_with_head(task: str, head: Optional[Path]):
+    """``--task`` as the Ray workers get it: the name or path as given, or with ``--head`` the loaded task whose
+    ``head:`` is that file's absolute path. Each worker loads the head from there (like a model path, the file
+    must exist on every node) and checks it against its model and prompt."""
+    if head is None:
+        return task
+    from ..engine.head_file import load_head
+    from ..spec.task import load_task
+
+    load_head(head)  # a bad head file is refused here, before Ray starts
+    return load_task(task).model_copy(update={"head": str(Path(head).resolve())})
 
 
 def classify_on_ray(input, task, model, config: RunConfig, method, text_field, id_field, out_path, dtype, threads,
