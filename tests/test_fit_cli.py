@@ -152,3 +152,30 @@ def test_ray_workers_score_through_the_head_as_a_local_run_does(fitted, model_di
     assert [g["label"] for g in got] == [w["label"] for w in want]
     drift = max(abs(g["scores"][k] - w["scores"][k]) for g, w in zip(got, want) for k in w["scores"])
     assert drift < 1e-4, f"Ray's head probabilities drift by {drift:.2e} from the local run's"
+
+
+def test_a_served_task_with_a_head_says_so_and_scores_through_it(fitted, model_dir):
+    pytest.importorskip("fastapi")
+    from test_server_app import call, serving
+
+    from prefixcache.spec.task import load_task
+
+    loaded = load_model(model_dir, "float32")
+    task = load_task(fitted["task"]).model_copy(update={"head": str(fitted["head"])})
+    records, _ = separable_rows(6, seed=2)
+    with serving(loaded, [task]) as server:
+        status, _, listing = call(server, "GET", "/v1/tasks")
+        assert status == 200
+        info = listing["tasks"][0]
+        assert info["method"] == f"head:{FEATURE}"
+        assert info["head"]["feature"] == FEATURE and info["head"]["training_rows"] == 90
+        items = [{"id": r.id, "text": r.fields["text"]} for r in records]
+        status, _, answer = call(server, "POST", "/v1/classify", {"task": task.name, "items": items})
+        assert status == 200, answer
+        upload = TASK_YAML.replace("tiny-tickets", "tiny-x") + f"head: {fitted['head']}\n"
+        refused = call(server, "PUT", "/v1/tasks/tiny-x", raw=upload.encode(), headers={"Content-Type": "application/yaml"})
+    assert refused[0] == 422 and "head" in refused[2]["detail"]
+    features = collect_features(loaded, task, records, feature=FEATURE)
+    expected = load_head(fitted["head"]).log_probs(features.features, features.prompt_logprobs).exp().numpy()
+    got = np.array([[result["scores"][k] for k in ("billing", "technical", "account")] for result in answer["results"]])
+    assert np.abs(got - expected).max() < 1e-4

@@ -120,6 +120,16 @@ def head_for(task, head: FittedHead | str | Path | None = None) -> FittedHead | 
     return load_head(path) if path is not None else None
 
 
+def describe_head(head: FittedHead | None) -> dict | None:
+    """What a listing shows of a head (``GET /v1/tasks``): feature, kind, labels, training rows, CV figures."""
+    if head is None:
+        return None
+    cv, training = head.manifest.get("cv", {}), head.manifest.get("training", {})
+    return {"feature": head.feature, "on_prompt": head.on_prompt, "labels": len(head.labels),
+            "training_rows": training.get("rows"), "cv_accuracy": cv.get("accuracy"), "cv_macro_f1": cv.get("macro_f1"),
+            "fitted_for_task": head.manifest.get("task")}
+
+
 def check(manifest: Mapping, loaded, prompt, labels: Sequence[str], feature: str | None = None) -> None:
     """Refuse a head fitted for something else.
 

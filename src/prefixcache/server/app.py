@@ -190,6 +190,9 @@ def _parse_upload(name: str, content_type: str, body: bytes) -> Task | ExtractTa
     task = parse_task(text, source=f"upload:{name}", kinds=tuple(RUNNER_KINDS))
     if task.name != name:
         raise TaskUploadError(f"the task body names {task.name!r} but the URL names {name!r}; make them match")
+    if getattr(task, "head", None) is not None:
+        raise TaskUploadError("an uploaded task cannot name a head file (head:): the server reads no file a request "
+                              "names; start the server with a task file that names its head")
     return task
 
 

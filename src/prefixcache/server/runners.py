@@ -38,6 +38,7 @@ from ..run.loop import BoundTask, WorkItem
 from ..run.extract import Extractor
 from ..model.load import LoadedModel
 from ..cache.pool import PrefixKey, PrefixPool
+from ..engine.head_file import describe_head
 from ..run.classify import Classifier
 from ..types import Record, RunConfig
 from ..spec.task import ExtractTask, Task
@@ -121,6 +122,7 @@ class ClassifyRunner(_BoundRunner):
             "labels": list(self.task.labels),
             "input_fields": self.task.fields,
             "method": self.bound.method,
+            "head": describe_head(self.bound.fitted_head),
             "prefix_tokens": self.prefix_tokens,
             "prefix_bytes": self.prefix_bytes,
         }

@@ -117,6 +117,9 @@ class TaskInfo(BaseModel):
     fields: list[str] | None = Field(default=None, description="extract tasks: the declared output fields.")
     input_fields: list[str]
     method: str | None = Field(description="classify tasks: the label scoring method.")
+    head: dict | None = Field(default=None, description=(
+        "classify tasks scored by a fitted label head: its feature, labels, training rows and cross-validated "
+        "figures; null when the prompt's own label scores are used."))
     max_new_tokens: int | None = Field(default=None, description="extract tasks: most tokens generated per item.")
     prefix_tokens: int
     prefix_bytes: int
