@@ -380,6 +380,17 @@ def interleave(rows: list[dict], seed: int) -> list[dict]:
     return out
 
 
+def alternate(fit: list[dict], test: list[dict], seed: int) -> list[dict]:
+    """One round of ``fit`` rows (one per label), then one of ``test`` rows, and so on: a collection
+    stopped early holds k fitting and about k scoring rows of every label."""
+    n_labels = len({r["label"] for r in fit})
+    a, b = interleave(fit, seed), interleave(test, seed)
+    out = []
+    for i in range(0, max(len(a), len(b)), n_labels):
+        out += a[i:i + n_labels] + b[i:i + n_labels]
+    return out
+
+
 class Splits:
     """Every row set the experiments use, fixed by seeds, and the rows each feature job must cover."""
 
@@ -420,7 +431,7 @@ class Splits:
             "tickets.tickets-compact": ("tickets-compact", tickets),
             "natcs5.natcs-intents": ("natcs-intents", self.n5_all),
             "natcs5.natcs-intents-short": ("natcs-intents-short", self.n5_all),
-            "b77sub.banking77-short": ("banking77-short", interleave(self.b77_fit, SEED) + interleave(self.b77_test, SEED)),
+            "b77sub.banking77-short": ("banking77-short", alternate(self.b77_fit, self.b77_test, SEED)),
             "natcs71.natcs-71": ("natcs-71", self.n71_all),
             "b77.banking77": ("banking77", self.b77_all),  # the expensive one: ~9,900 rows behind a long prefix
         }
@@ -647,6 +658,14 @@ class Study:
         out["b77_10"] = r
         rows.append(["banking77, 10 rows/intent -> held-out rows", f"{r['fit_rows']} -> {r['test_rows']}",
                      pct(r["prompt"]), pct(r["accuracy"]), ">= 85%", "yes" if r["accuracy"] >= 0.85 else "**no**"])
+        r = self.held_out("tickets.support-tickets", s.tickets_fit, s.tickets_hand, spec)
+        out["tickets_hand"] = r
+        rows.append(["support-tickets, 600 synthetic -> 75 hand-written", f"{r['fit_rows']} -> {r['test_rows']}",
+                     pct(r["prompt"]), pct(r["accuracy"]), ">= 95%", "yes" if r["accuracy"] >= 0.95 else "**no**"])
+        r = self.held_out("natcs5.natcs-intents", s.n5_fit, s.n5_test, spec)
+        out["natcs5"] = r
+        rows.append(["natcs-intents (5 labels), 250 -> other 250", f"{r['fit_rows']} -> {r['test_rows']}",
+                     pct(r["prompt"]), pct(r["accuracy"]), "(none)", ""])
         for key, job, rows_all, target, label in (
             ("b77_cv", "b77.banking77", s.b77_all, 0.92, "banking77, whole training split, 5-fold CV"),
             ("n71_cv", "natcs71.natcs-71", s.n71_all, None, "NatCS, all 71 intents, 5-fold CV"),
@@ -666,14 +685,6 @@ class Study:
             met = acc >= target if target else acc >= prompt + 0.30
             note = "" if len(gold) == len(rows_all) else f" (features of {len(gold)} of {len(rows_all)} rows)"
             rows.append([label + note, f"{len(gold)} (CV)", pct(prompt), pct(acc), goal, "yes" if met else "**no**"])
-        r = self.held_out("tickets.support-tickets", s.tickets_fit, s.tickets_hand, spec)
-        out["tickets_hand"] = r
-        rows.append(["support-tickets, 600 synthetic -> 75 hand-written", f"{r['fit_rows']} -> {r['test_rows']}",
-                     pct(r["prompt"]), pct(r["accuracy"]), ">= 95%", "yes" if r["accuracy"] >= 0.95 else "**no**"])
-        r = self.held_out("natcs5.natcs-intents", s.n5_fit, s.n5_test, spec)
-        out["natcs5"] = r
-        rows.append(["natcs-intents (5 labels), 250 -> other 250", f"{r['fit_rows']} -> {r['test_rows']}",
-                     pct(r["prompt"]), pct(r["accuracy"]), "(none)", ""])
         self.results["targets"] = out
         return table(["data", "rows (fit -> scored)", "prompt alone", f"fitted head (`{spec}`)", "target", "met"], rows)
 
@@ -682,10 +693,13 @@ class Study:
         from prefixcache.eval.fit_curve import fit_curve
 
         s, out, rows = self.splits, {}, []
-        b77_rows = stratified_take(s.b77_all, self.args.curve_b77, SEED + 2)
+        b77_cached = self.cached("b77.banking77", partial=True).index
+        b77_rows = stratified_take([r for r in s.b77_all if r["id"] in b77_cached], self.args.curve_b77, SEED + 2)
         for name, job, data in (("NatCS-71", "natcs71.natcs-71", s.n71_all),
                                 ("natcs-intents", "natcs5.natcs-intents", s.n5_all),
                                 ("banking77", "b77.banking77", b77_rows)):
+            if self.args.curves and name not in self.args.curves:
+                continue
             c = self.cached(job, partial=True)
             fs, gold = feature_set(c, data, spec)
             started = time.perf_counter()
@@ -817,7 +831,7 @@ def run(args) -> None:
         sections.append((f"(e) fit time on 1,000 rows, feature `{spec}`", study.fit_times(spec, timing)))
     report = "\n\n".join(f"### {title}\n\n{body}" for title, body in sections)
     print(report)
-    name = "results-quick" if args.quick else "results"
+    name = ("results-quick" if args.quick else "results") + "-" + "".join(wanted)
     (args.cache / f"{name}.json").write_text(json.dumps(study.results, indent=1, default=str))
     (args.cache / f"{name}.md").write_text(report + "\n")
 
@@ -866,7 +880,7 @@ def timing(args) -> None:
                 print(f"  {task_name}: {ms:.1f} ms/record (round {round_ + 1})", flush=True)
                 out_path.write_text(json.dumps(out, indent=1))
     # features + fit against classify, same rows, same prompt (support-tickets), batch 32.
-    rows = 60 if args.quick else 1000
+    rows = 60 if args.quick else args.compare_rows
     tickets = generate_tickets(rows, seed=11)
     records = [Record(t["id"], {"text": t["text"]}) for t in tickets]
     task = load_task_file("support-tickets")
@@ -902,10 +916,12 @@ def main(argv=None) -> int:
     p.add_argument("--spec", default="last", help="the feature the timed passes keep")
     p.add_argument("--rows", type=int, default=96, help="rows per timed prompt")
     p.add_argument("--skip-prompts", action="store_true", help="only features + fit vs classify")
+    p.add_argument("--compare-rows", type=int, default=1000, help="synthetic tickets for features + fit vs classify")
     p = sub.add_parser("run", help="the experiments on the cached features")
     p.add_argument("--only", nargs="*", choices=["a", "b", "c", "d", "e"], help="experiments to run (default: all)")
     p.add_argument("--spec", default="auto", help="feature for (b)-(e); auto: the best mean of (a)")
     p.add_argument("--plots", type=Path, help="folder for the curve PNGs (docs/img)")
+    p.add_argument("--curves", nargs="*", choices=["NatCS-71", "natcs-intents", "banking77"], help="curves to draw (default: all)")
     p.add_argument("--curve-b77", type=int, default=40, help="banking77 rows per intent for the curve (half fit, half scored)")
     args = parser.parse_args(argv)
     if args.command == "tasks":
