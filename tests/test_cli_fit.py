@@ -16,7 +16,7 @@ from prefixcache.run.features import collect_features
 from prefixcache.spec.task import parse_task
 
 from conftest import TASK_YAML, save_tiny_model
-from test_head import FEATURE, separable_rows
+from test_engine_head import FEATURE, separable_rows
 
 runner = CliRunner()
 

@@ -16,7 +16,7 @@ from prefixcache.run.features import collect_features
 from prefixcache.spec.task import parse_task
 
 from conftest import TASK_YAML
-from test_head import FEATURE, separable_rows
+from test_engine_head import FEATURE, separable_rows
 
 TOL = 1e-4
 
