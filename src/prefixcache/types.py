@@ -42,6 +42,15 @@ MODES = tuple(m.value for m in Mode)  # ("full", "cached", "batched"): the CLI's
 OVERFLOW = ("error", "truncate")  # what happens to a record past the model's context (spec/context.py)
 METHODS = ("auto", "first-token", "full")  # label scoring methods (spec/prompt.py resolves auto)
 
+# Defaults every entry point shares: the CLI's options, the library's keyword arguments and the Ray
+# workers read them from here, so no default is typed twice.
+TEXT_FIELD = "text"  # the record field holding its text
+LABEL_FIELD = "label"  # the field holding a row's gold label (eval, fit)
+DEFAULT_TASK = "support-tickets"  # the bundled classification task
+DEFAULT_EXTRACT_TASK = "ticket-fields"  # the bundled extraction task
+DEFAULT_FEATURE = "last"  # what a fitted head reads (engine/features.py parses it; docs/accuracy.md chose it)
+DEFAULT_WORKERS = 2  # Ray workers of ``classify --ray``
+
 
 @dataclass(frozen=True)
 class Record:

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from ..io.journal import ON_ERROR
-from ..types import METHODS, MODES, OVERFLOW, RunConfig
+from ..types import DEFAULT_WORKERS, METHODS, MODES, OVERFLOW, RunConfig
 from .boundary import boundary, choice, err, flag, given, open_output, output_path
 from .loading import check_text_field, make_pool, progress, setup_classifier
 from .options import (
@@ -57,7 +57,7 @@ def classify(
     ray: bool = typer.Option(False, "--ray", help="Run on a pool of Ray actors (needs the 'ray' extra); see docs/scale-out.md."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --ray: a running cluster (auto, HOST:6379, "
                                               "ray://HOST:10001); default: start a local Ray."),
-    workers: int = typer.Option(2, "--workers", min=1, help="With --ray: worker processes, each with its own model and prefix."),
+    workers: int = typer.Option(DEFAULT_WORKERS, "--workers", min=1, help="With --ray: worker processes, each with its own model and prefix."),
     num_gpus: float = typer.Option(0.0, "--num-gpus", min=0, help="With --ray: GPUs per worker (a fraction shares one)."),
     head: Optional[Path] = HeadOpt,
 ):

@@ -16,7 +16,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from ..types import Mode, RunConfig, RunStats
+from ..types import DEFAULT_TASK, Mode, RunConfig, RunStats
 from .boundary import boundary, err, out
 from .demo_head import fitted_head_section
 from .loading import setup_classifier
@@ -36,7 +36,7 @@ def demo(
     """Classify the 600 bundled support tickets, print accuracy and a full/cached/batched timing table."""
     if out_dir.exists() and not out_dir.is_dir():
         raise typer.BadParameter(f"{out_dir} is a file; name a folder", param_hint="--out-dir")
-    classifier = setup_classifier("support-tickets", model, dtype, threads, "auto")
+    classifier = setup_classifier(DEFAULT_TASK, model, dtype, threads, "auto")
     run_demo(classifier, batch_size, subset, out_dir, out, err)
 
 

@@ -9,14 +9,16 @@ import typer
 
 from .boundary import boundary, err, out, output_path
 from .loading import check_text_field, setup_classifier
-from .options import BatchOpt, DtypeOpt, HeadOpt, IdFieldOpt, MethodOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt
+from .options import (
+    BatchOpt, DtypeOpt, HeadOpt, IdFieldOpt, LabelFieldOpt, MethodOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt,
+)
 
 
 @boundary
 def eval_(
     input: str = typer.Argument(..., help="Labelled input .csv, .jsonl, .parquet, or - for JSONL on stdin."),
     task: str = TaskOpt,
-    label_field: str = typer.Option("label", "--label-field", help="Field holding each record's gold label."),
+    label_field: str = LabelFieldOpt,
     model: str = ModelOpt,
     batch_size: int = BatchOpt,
     method: str = MethodOpt,

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from ..types import MODES, RunConfig
+from ..types import DEFAULT_EXTRACT_TASK, MODES, RunConfig
 from .boundary import boundary, choice, err, open_output, output_path
 from .loading import check_text_field, make_pool, progress, setup_extractor
 from .options import (
@@ -22,7 +22,7 @@ from .reports import report_pool
 @boundary
 def extract(
     input: str = InputArg,
-    task: str = typer.Option("ticket-fields", "--task", help="A bundled extraction task or a path to a task YAML (kind: extract)."),
+    task: str = typer.Option(DEFAULT_EXTRACT_TASK, "--task", help="A bundled extraction task or a path to a task YAML (kind: extract)."),
     model: str = ModelOpt,
     mode: str = ModeOpt,
     batch_size: int = BatchOpt,

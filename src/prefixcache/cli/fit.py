@@ -10,7 +10,8 @@ import typer
 
 from .boundary import boundary, err, out, output_path
 from .loading import load, progress
-from .options import BatchOpt, DtypeOpt, IdFieldOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt
+from ..types import DEFAULT_FEATURE
+from .options import BatchOpt, DtypeOpt, IdFieldOpt, LabelFieldOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt
 
 MAX_NAMED = 5  # failed rows named in one message
 
@@ -19,9 +20,9 @@ MAX_NAMED = 5  # failed rows named in one message
 def fit(
     train: str = typer.Argument(..., help="Labelled training rows: .csv, .jsonl, .parquet, or - for JSONL on stdin."),
     task: str = TaskOpt,
-    label_field: str = typer.Option("label", "--label-field", help="Field holding each row's gold label."),
+    label_field: str = LabelFieldOpt,
     out_path: Path = typer.Option(..., "--out", help="Where to write the head (.safetensors with its JSON manifest)."),
-    feature: str = typer.Option("last", "--feature", help="Features: last, mean, last@K, mean@K, joined by + (docs/accuracy.md)."),
+    feature: str = typer.Option(DEFAULT_FEATURE, "--feature", help="Features: last, mean, last@K, mean@K, joined by + (docs/accuracy.md)."),
     on_prompt: bool = typer.Option(False, "--on-prompt", help="Fit a head that corrects the prompt's own label scores."),
     folds: int = typer.Option(5, "--folds", min=2, help="Stratified cross-validation folds (capped at the smallest label's rows)."),
     curve: Optional[str] = typer.Option(

@@ -10,20 +10,19 @@ import typer
 from ..cache.config import STORAGE_NAMES, PoolConfig, format_bytes
 from ..cache.eviction import POLICIES
 from ..model.catalog import DEFAULT_MODEL, DTYPE_CHOICES
-from ..types import METHODS
-from ..types import MODES, RunConfig
+from ..types import DEFAULT_TASK, LABEL_FIELD, METHODS, MODES, TEXT_FIELD, RunConfig
 
 RUN = RunConfig()
 POOL = PoolConfig()
 
-TaskOpt = typer.Option("support-tickets", "--task", help="A bundled task name or a path to a task YAML.")
+TaskOpt = typer.Option(DEFAULT_TASK, "--task", help="A bundled task name or a path to a task YAML.")
 ModelOpt = typer.Option(DEFAULT_MODEL, "--model", help="Embedded name, .gguf path, HF id or local folder.")
 DtypeOpt = typer.Option(DTYPE_CHOICES[0], "--dtype", help=f"One of {', '.join(DTYPE_CHOICES)}.")
 ThreadsOpt = typer.Option(None, "--threads", min=1, help="Torch threads (default: all cores).")
 MethodOpt = typer.Option(METHODS[0], "--method", help=f"Label scoring: {', '.join(METHODS)}.")
 ModeOpt = typer.Option(RUN.mode.value, "--mode", help=f"One of {', '.join(MODES)}.")
 BatchOpt = typer.Option(RUN.batch_size, "--batch-size", min=1, help="Records per forward pass (batched mode).")
-TextFieldOpt = typer.Option("text", "--text-field", help="Field holding the record's text.")
+TextFieldOpt = typer.Option(TEXT_FIELD, "--text-field", help="Field holding the record's text.")
 IdFieldOpt = typer.Option(None, "--id-field", help="Field holding the record id (default: 0-based row number).")
 CacheBudgetOpt = typer.Option(
     None, "--cache-budget",
@@ -37,3 +36,4 @@ HeadOpt = typer.Option(
     None, "--head", help="A fitted label head (prefixcache fit); overrides the task file's head:. Scores are the head's."
 )
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of a table.")
+LabelFieldOpt = typer.Option(LABEL_FIELD, "--label-field", help="Field holding each row's gold label.")

@@ -10,7 +10,7 @@ from ..cache.config import parse_bytes
 from ..errors import ExtraNotInstalledError
 from ..server.settings import DEFAULT_LOG_LEVEL, LOG_LEVELS, ServerSettings
 from ..server.settings import DEFAULTS as SERVER
-from ..types import METHODS
+from ..types import DEFAULT_TASK, METHODS
 from .boundary import boundary, choice, parsed
 from .loading import load
 from .options import DtypeOpt, MethodOpt, ModelOpt, ThreadsOpt
@@ -18,7 +18,7 @@ from .options import DtypeOpt, MethodOpt, ModelOpt, ThreadsOpt
 
 @boundary
 def serve(
-    task: list[str] = typer.Option(["support-tickets"], "--task", help="A bundled task name or a YAML path; repeat for more."),
+    task: list[str] = typer.Option([DEFAULT_TASK], "--task", help="A bundled task name or a YAML path; repeat for more."),
     model: str = ModelOpt,
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,

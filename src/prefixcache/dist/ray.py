@@ -49,6 +49,7 @@ from ..errors import InputError, PrefixCacheError
 from ..model.load import DEFAULT_MODEL, load_model, local_source
 from ..run.classify import Classifier, RunConfig
 from ..spec.task import Task, load_task
+from ..types import DEFAULT_WORKERS, TEXT_FIELD
 from .inputs import absolute, block_bytes, input_format
 from .resources import check_gpus, cpus_per_worker
 from .rows import ROW, Finisher, prediction_line, record_of
@@ -87,7 +88,7 @@ class WorkerSpec:
     threads: int = 1
     method: str = "auto"
     config: RunConfig = field(default_factory=RunConfig)
-    text_field: str = "text"
+    text_field: str = TEXT_FIELD
     id_field: str | None = None
     cache_dir: str | None = None
 
@@ -254,11 +255,11 @@ def run_ray_classify(
     out_dir: str | Path | None,
     task: str | Task,
     model: str = DEFAULT_MODEL,
-    workers: int = 2,
+    workers: int = DEFAULT_WORKERS,
     ray_address: str | None = None,
     num_gpus: float = 0,
     batch_size: int = 32,
-    text_field: str = "text",
+    text_field: str = TEXT_FIELD,
     id_field: str | None = None,
     dtype: str = "auto",
     threads: int | None = None,

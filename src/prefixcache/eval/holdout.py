@@ -19,6 +19,7 @@ from sklearn.model_selection import train_test_split
 
 from ..errors import InputError
 from ..run.features import collect_features
+from ..types import DEFAULT_FEATURE
 from .fit_curve import subset
 from .fit_head import FitResult, fit_head
 from .metrics import Metrics, compute_metrics
@@ -50,7 +51,7 @@ def fit_and_score(
     *,
     held_out: float = 0.5,
     seed: int = 0,
-    feature: str = "last",
+    feature: str = DEFAULT_FEATURE,
     on_prompt: bool = False,
     folds: int = 5,
     batch_size: int = 32,

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import IO, BinaryIO, Iterable, Iterator, Mapping
 
 from ..errors import InputError
-from ..types import Prediction, Record
+from ..types import TEXT_FIELD, Prediction, Record
 from .jsonl import write_line
 
 FORMATS = (".csv", ".jsonl", ".ndjson", ".parquet")
@@ -198,7 +198,7 @@ def _json_type(value: object) -> str:
     return {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}.get(type(value), "a number")
 
 
-def records_from_rows(rows: Iterable[Row], text_field: str = "text", id_field: str | None = None) -> Iterator[Record]:
+def records_from_rows(rows: Iterable[Row], text_field: str = TEXT_FIELD, id_field: str | None = None) -> Iterator[Record]:
     """One Record per Row, in order; bad rows and rows without a usable, unique id become error Records.
 
     ``text_field`` becomes the Record's ``text``. A row missing ``text_field`` still becomes a
@@ -238,7 +238,7 @@ def _duplicate(record_id: object, where: str, first_seen: dict[object, str]) -> 
     return None
 
 
-def to_records(rows: Iterable[dict], text_field: str = "text", id_field: str | None = None) -> Iterator[Record]:
+def to_records(rows: Iterable[dict], text_field: str = TEXT_FIELD, id_field: str | None = None) -> Iterator[Record]:
     """Strictly map raw rows (dicts) to Records: ids from ``id_field`` or row numbers.
 
     Raises:
@@ -248,12 +248,12 @@ def to_records(rows: Iterable[dict], text_field: str = "text", id_field: str | N
     return _strict(records_from_rows(wrapped, text_field, id_field))
 
 
-def scan_records(source: str | Path, text_field: str = "text", id_field: str | None = None) -> Iterator[Record]:
+def scan_records(source: str | Path, text_field: str = TEXT_FIELD, id_field: str | None = None) -> Iterator[Record]:
     """Every row of ``source`` as a Record, bad rows included (with ``error`` set). See :func:`records_from_rows`."""
     return records_from_rows(scan_rows(source), text_field, id_field)
 
 
-def read_records(source: str | Path, text_field: str = "text", id_field: str | None = None) -> Iterator[Record]:
+def read_records(source: str | Path, text_field: str = TEXT_FIELD, id_field: str | None = None) -> Iterator[Record]:
     """Records of ``source``, strictly.
 
     Raises:

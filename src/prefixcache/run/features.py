@@ -31,7 +31,10 @@ from ..model.load import LoadedModel
 from ..spec.context import ContextFit, context_limit
 from ..spec.prompt import Encoded, Prompt, build_prompt
 from ..spec.task import Task
+from ..types import DEFAULT_FEATURE, RunConfig
 from .loop import BoundTask, WindowStats, WorkItem
+
+RUN = RunConfig()  # the defaults feature collection shares with classification
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,28 +79,12 @@ class RowFeatures:
     text_hash: str | None = None
 
 
-@dataclass(frozen=True)
-class FeatureConfig:
-    """How :class:`FeatureCollector` runs (the classification ``RunConfig`` fields it reads)."""
-
-    mode: str = "batched"
-    batch_size: int = 32
-    window: int = 1024
-    overflow: str = "error"
-
-    def __post_init__(self):
-        if self.mode not in ("full", "cached", "batched"):
-            raise ValueError(f"mode must be full, cached or batched, not {self.mode!r}")
-        if self.batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
-
-
 class FeatureCollector(BoundTask):
     """A task bound to a model that yields :class:`RowFeatures` per record, in input order."""
 
     stats_type = WindowStats
 
-    def __init__(self, loaded: LoadedModel, task: Task, feature: str | FeatureSpec = "last", pool: PrefixPool | None = None):
+    def __init__(self, loaded: LoadedModel, task: Task, feature: str | FeatureSpec = DEFAULT_FEATURE, pool: PrefixPool | None = None):
         self.prompt: Prompt = build_prompt(task, loaded.tokenizer)
         super().__init__(loaded, task, pool)
         self.spec = feature if isinstance(feature, FeatureSpec) else FeatureSpec.parse(feature)
@@ -105,8 +92,9 @@ class FeatureCollector(BoundTask):
         self.label_rows = LabelHead(loaded.model, self.prompt, "first-token")  # tied where first tokens collide
         self.fit = ContextFit(self.prompt, loaded.tokenizer, context_limit(loaded.model), 0)
 
-    def collect(self, records: Iterable, config: FeatureConfig = FeatureConfig(), progress: Callable[[int], None] | None = None):
-        """Yield one :class:`RowFeatures` per record, in input order."""
+    def collect(self, records: Iterable, config: RunConfig = RunConfig(), progress: Callable[[int], None] | None = None):
+        """Yield one :class:`RowFeatures` per record, in input order. ``config`` is classification's own
+        :class:`~prefixcache.types.RunConfig`: the same mode, batch size, window and overflow policy."""
         yield from self._stream(records, config, progress, self.stats_type())
 
     def _route(self, index: int, record, enc: Encoded, config) -> WorkItem:
@@ -128,9 +116,7 @@ class FeatureCollector(BoundTask):
         stats.forward_passes += 1
         return list(zip(states.features, logprobs))
 
-    _run = _forward  # the record loop's name for it before the layout change (issue 14)
-
-    def _result(self, item: WorkItem, output, mode=None) -> RowFeatures:
+    def _result(self, item: WorkItem, output) -> RowFeatures:
         features, logprobs = output
         return RowFeatures(item.record.id, features, logprobs, text_hash=text_hash(item.record.fields, self.task.fields))
 
@@ -146,13 +132,13 @@ def collect_features(
     task: Task,
     records: Iterable,
     *,
-    feature: str | FeatureSpec = "last",
-    batch_size: int = 32,
-    window: int = 1024,
+    feature: str | FeatureSpec = DEFAULT_FEATURE,
+    batch_size: int = RUN.batch_size,
+    window: int = RUN.window,
     progress: Callable[[int], None] | None = None,
     pool: PrefixPool | None = None,
-    mode: str = "batched",
-    overflow: str = "error",
+    mode: str = RUN.mode,
+    overflow: str = RUN.overflow,
 ) -> FeatureSet:
     """Run ``task``'s prompt over ``records`` (batched over the cached prefix) and keep their features.
 
@@ -162,7 +148,7 @@ def collect_features(
         InputError: ``feature`` is not a valid spec for this model.
     """
     collector = FeatureCollector(loaded, task, feature, pool)
-    config = FeatureConfig(mode, batch_size, window, overflow)
+    config = RunConfig(mode, batch_size, window, overflow)
     ids, features, logprobs, hashes, errors = [], [], [], [], {}
     for row in collector.collect(records, config, progress):
         if row.error is not None:
