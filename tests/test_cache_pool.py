@@ -118,7 +118,7 @@ def test_prefix_larger_than_budget_raises_before_computing(tiny_llama, monkeypat
         raise AssertionError("the prefix was computed although it cannot fit")
 
     monkeypatch.setattr(PrefixKV, "build", no_build)
-    with pytest.raises(PoolBudgetError, match="--cache-budget"):
+    with pytest.raises(PoolBudgetError, match="raise cache_budget"):
         pool.get(tiny_llama, ids(1, length=20))
     assert pool.stats().entries == 0
 

@@ -209,6 +209,6 @@ def test_write_predictions_fail_policy_stops_before_the_failed_record(tmp_path):
     scores = LabelScores(("a", "b"), (-0.1, -2.4))
     predictions = [Prediction(0, scores), Prediction(1, error="record 1: missing field 'text'"), Prediction(2, scores)]
     path = tmp_path / "out.jsonl"
-    with path.open("w") as sink, pytest.raises(InputError, match=r"record 1: missing field 'text'\nstopped by --on-error fail after 1 lines"):
+    with path.open("w") as sink, pytest.raises(InputError, match="record 1: missing field 'text'\nstopped by on_error=\"fail\" after 1 lines"):
         resume.write_predictions(predictions, sink, "fail", sync_every=2)
     assert [r["id"] for r in _rows(path)] == [0]

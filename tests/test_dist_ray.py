@@ -132,7 +132,7 @@ def test_gpus_a_local_ray_lacks_are_refused_at_once():
     check_gpus(0, workers=4, cluster_gpus=0, local=True)  # no GPUs asked: fine
     check_gpus(0.5, workers=2, cluster_gpus=1, local=True)  # two workers share one GPU
     check_gpus(1, workers=8, cluster_gpus=0, local=False)  # a remote cluster may autoscale: Ray waits
-    with pytest.raises(ResourceError, match=r"--num-gpus 1 for 2 worker\(s\) needs 2 GPU\(s\).*has 1"):
+    with pytest.raises(ResourceError, match=r'num_gpus="1" for 2 worker\(s\) needs 2 GPU\(s\).*has 1'):
         check_gpus(1, workers=2, cluster_gpus=1, local=True)
 
 

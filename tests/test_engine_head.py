@@ -202,7 +202,7 @@ def test_curve_scores_three_scorers_on_held_out_rows(separable):
 
 def test_curve_steps_are_parsed_or_refused():
     assert parse_shots("1, 2,5,10,ALL") == [1, 2, 5, 10, None]
-    with pytest.raises(InputError, match="--curve"):
+    with pytest.raises(InputError, match="curve takes rows per label"):
         parse_shots("1,0")
 
 

@@ -169,7 +169,7 @@ def test_overflow_error_names_record_field_and_lengths(classifier):
     record = Record("long", {"text": "refund " * 20_000})
     (prediction,) = classifier.classify_all([record], RunConfig("batched", 2))
     assert prediction.label is None
-    for words in ("record 'long'", "field 'text'", "too long", f"context is {CONTEXT}", "overflow policy 'truncate'"):
+    for words in ("record 'long'", "field 'text'", "too long", f"context is {CONTEXT}", 'overflow="truncate"'):
         assert words in prediction.error, prediction.error
     assert "--" not in prediction.error, "the library's message is neutral: the CLI and HTTP add their own wording"
 

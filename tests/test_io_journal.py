@@ -38,7 +38,7 @@ def test_a_complete_last_line_that_is_not_a_prediction_is_refused_not_cut(tmp_pa
     path.write_bytes(ok(0) + ok(1) + last)
     with pytest.raises(InputError, match=r"out.jsonl:3: not a prediction line") as refused:
         resume.recover(path)
-    assert "was not written by 'prefixcache classify' or was edited. Move it aside, or choose another --out" in str(
+    assert "was not written by 'prefixcache classify' or was edited. Move it aside, or choose another out" in str(
         refused.value
     ), "the message says what to do next"
     assert path.read_bytes() == ok(0) + ok(1) + last, "a refused file is left as it was"

@@ -73,7 +73,7 @@ def test_a_head_for_another_prompt_or_labels_is_refused(tiny_llama, head):
 
 
 def test_a_method_beside_a_head_is_refused(tiny_llama, task, head):
-    with pytest.raises(PromptError, match="--method full"):
+    with pytest.raises(PromptError, match='method="full" scores'):
         Classifier(tiny_llama, task, "full", head=head)
 
 

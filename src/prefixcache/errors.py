@@ -5,13 +5,53 @@ the CLI (:mod:`prefixcache.cli.boundary`: a message and exit code 2) and the HTT
 (``server/app.py``: a JSON body and a status code, chosen there by type). Each message says what
 went wrong *and what to do next*, in neutral terms (the library's setting names, not a CLI flag);
 a boundary adds its own wording. Set ``PREFIXCACHE_DEBUG=1`` to make either re-raise instead.
+
+Naming a setting in a message: write ``setting("cache_budget")`` or ``setting("method", "full")`` in
+the text, never a flag. The contract:
+
+* ``setting(name, value)`` returns a marker: ``name`` is the library's setting name (the CLI
+  parameter's Python name, ``cache_budget``), ``value`` (optional) what to set it to.
+* ``str(exc)`` is the neutral wording: ``cache_budget``, ``method="full"`` (:func:`neutral_spelling`).
+* ``exc.render(spell)`` replaces each marker with ``spell(name, value)``: the CLI gives ``--method full``,
+  the HTTP app a task field or a server setting. Nothing else in the text changes.
+* To quote one error inside another, embed ``exc.args[0]`` (markers kept), not ``str(exc)``.
+
+Log messages are not rendered: write them in plain words. This module imports only the standard library.
 """
 
 from __future__ import annotations
 
+import re
+from typing import Callable, Optional
+
+Spelling = Callable[[str, Optional[str]], str]
+"""``spell(name, value)`` -> the words a boundary shows for a setting (``value`` None: the setting itself)."""
+
+_MARKER = re.compile("\x1f([^\x1e\x1f]+)(?:\x1e([^\x1f]*))?\x1f")  # unit and record separators: never typed
+
+
+def setting(name: str, value: str | None = None) -> str:
+    """A marker for the setting ``name`` (set to ``value``, if given) inside an error message."""
+    return f"\x1f{name}\x1f" if value is None else f"\x1f{name}\x1e{value}\x1f"
+
+
+def neutral_spelling(name: str, value: str | None = None) -> str:
+    """The library's own words for a setting: ``cache_budget``, or ``method="full"`` with a value."""
+    return name if value is None else f'{name}="{value}"'
+
 
 class PrefixCacheError(Exception):
-    """Base class of every error `prefixcache` raises on purpose."""
+    """Base class of every error `prefixcache` raises on purpose.
+
+    ``str(exc)`` names settings neutrally; :meth:`render` lets a boundary name them its own way.
+    """
+
+    def render(self, spell: Spelling) -> str:
+        """The message with each :func:`setting` marker replaced by ``spell(name, value)``."""
+        return _MARKER.sub(lambda m: spell(m[1], m[2]), Exception.__str__(self))
+
+    def __str__(self) -> str:
+        return self.render(neutral_spelling)
 
 
 class TaskError(PrefixCacheError):
@@ -66,7 +106,7 @@ class ExtraNotInstalledError(PrefixCacheError):
 
 
 class RayNotInstalledError(ExtraNotInstalledError):
-    """``--ray`` was asked for, but Ray is not installed here."""
+    """A Ray run (``ray``) was asked for, but Ray is not installed here."""
 
 
 # --- the HTTP service's errors (their status codes are the app's: ``server/app.py``) ------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from ..errors import CacheStoreError
+from ..errors import CacheStoreError, setting
 
 FORMAT = "prefixcache-kv/1"
 SUFFIX = ".safetensors"
@@ -94,14 +94,14 @@ class DiskFolder:
     def __init__(self, root: str | Path, create: bool = True):
         self.root = Path(root).expanduser()
         if self.root.exists() and not self.root.is_dir():
-            raise CacheStoreError(f"--cache-dir {self.root} is a file; pass a folder")
+            raise CacheStoreError(f"{setting('cache_dir', str(self.root))} is a file; pass a folder")
         if not create and not self.root.is_dir():
             raise CacheStoreError(f"{self.root}: no such cache folder")
         if create:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
-                raise CacheStoreError(f"cannot create --cache-dir {self.root}: {exc.strerror}") from None
+                raise CacheStoreError(f"cannot create {setting('cache_dir', str(self.root))}: {exc.strerror}") from None
 
     def path(self, digest: str, storage: str) -> Path:
         return self.root / f"{digest}.{storage}{SUFFIX}"

@@ -41,7 +41,7 @@ from typing import Literal, Sequence
 
 import torch
 
-from ..errors import PoolBudgetError
+from ..errors import PoolBudgetError, setting
 from ..model.load import LoadedModel
 from .config import PoolConfig, format_bytes
 from .disk import DiskStore, Expected
@@ -263,14 +263,15 @@ class PrefixPool:
         budget = self.config.budget_bytes
         if need > budget:
             raise PoolBudgetError(
-                f"prefix {label!r} needs {format_bytes(need)} but the whole --cache-budget is {format_bytes(budget)}; "
-                "raise --cache-budget, use --kv-storage int8, or shorten the task's instruction and examples"
+                f"prefix {label!r} needs {format_bytes(need)} but the whole {setting('cache_budget')} is "
+                f"{format_bytes(budget)}; raise {setting('cache_budget')}, use {setting('kv_storage', 'int8')}, "
+                "or shorten the task's instruction and examples"
             )
         pinned = sum(e.nbytes for e in self._entries.values() if e.pinned)
         if pinned + need > budget:
             raise PoolBudgetError(
                 f"prefix {label!r} needs {format_bytes(need)} but pinned prefixes hold {format_bytes(pinned)} of the "
-                f"{format_bytes(budget)} --cache-budget; raise the budget or unpin a task (pin: false)"
+                f"{format_bytes(budget)} {setting('cache_budget')}; raise the budget or unpin a task (pin: false)"
             )
 
     def _obtain(
@@ -338,7 +339,7 @@ class PrefixPool:
             self.store.write(key.digest, self.storage.name, packed, expected, name)
         except OSError as exc:
             log.warning(
-                "could not write prefix %s to --cache-dir %s (%s); it stays in memory only", key.digest[:12], self.store.root, exc
+                "could not write prefix %s to the cache folder %s (%s); it stays in memory only", key.digest[:12], self.store.root, exc
             )
             return
         self._count.disk_writes += 1

@@ -37,10 +37,17 @@ def boundary(fn):
         except PrefixCacheError as exc:
             if os.environ.get("PREFIXCACHE_DEBUG"):
                 raise
-            err.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {exc.render(cli_spelling)}", highlight=False, markup=True, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper
+
+
+def cli_spelling(name: str, value: str | None = None) -> str:
+    """A library setting as the CLI's option: ``cache_budget`` -> ``--cache-budget``, ``("method", "full")`` ->
+    ``--method full``. The spelling :func:`boundary` gives each :func:`~prefixcache.errors.setting` in a message."""
+    option = "--" + name.replace("_", "-")
+    return option if value is None else f"{option} {value}"
 
 
 def choice(value: str, choices: Iterable[str], name: str) -> str:

@@ -10,7 +10,7 @@ cluster. :func:`run_ray_classify` here imports Ray only when called.
 
 from __future__ import annotations
 
-from ..errors import RayNotInstalledError
+from ..errors import RayNotInstalledError, setting
 
 
 def run_ray_classify(*args, **kwargs):
@@ -25,7 +25,7 @@ def run_ray_classify(*args, **kwargs):
         if exc.name is None or exc.name.split(".")[0] != "ray":
             raise
         raise RayNotInstalledError(
-            f"--ray needs Ray Data ({exc.name} is missing): pip install 'prefixcache[ray]' here and on every "
+            f"{setting('ray')} needs Ray Data ({exc.name} is missing): pip install 'prefixcache[ray]' here and on every "
             "node of the cluster"
         ) from None
     return run(*args, **kwargs)

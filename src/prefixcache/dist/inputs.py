@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
 
-from ..errors import InputError
+from ..errors import InputError, setting
 from ..model.load import EMBEDDED
 
 FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
@@ -20,7 +20,7 @@ def input_format(source: str) -> str:
         InputError: stdin, or no known format.
     """
     if source == "-":
-        raise InputError("--ray reads files, not stdin: write the input to a .jsonl file and pass its path")
+        raise InputError(f"{setting('ray')} reads files, not stdin: write the input to a .jsonl file and pass its path")
     suffix = PurePosixPath(source.split("://", 1)[-1].rstrip("/")).suffix.lower()
     if suffix in FORMATS:
         return FORMATS[suffix]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import ResourceError
+from ..errors import ResourceError, setting
 
 
 def cpus_per_worker(threads: int, workers: int, cluster_cpus: float) -> float:
@@ -29,6 +29,7 @@ def check_gpus(num_gpus: float, workers: int, cluster_gpus: float, local: bool) 
     wanted = num_gpus * workers
     if local and num_gpus > 0 and wanted > cluster_gpus:
         raise ResourceError(
-            f"--num-gpus {num_gpus:g} for {workers} worker(s) needs {wanted:g} GPU(s), and this machine's Ray has "
-            f"{cluster_gpus:g}; drop --num-gpus, lower it or --workers, or give --ray-address of a cluster with GPUs"
+            f"{setting('num_gpus', f'{num_gpus:g}')} for {workers} worker(s) needs {wanted:g} GPU(s), and this "
+            f"machine's Ray has {cluster_gpus:g}; drop {setting('num_gpus')}, lower it or {setting('workers')}, or give "
+            f"{setting('ray_address')} of a cluster with GPUs"
         )

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from ..errors import InputError
+from ..errors import InputError, setting
 
 PART = "part-{:05d}.jsonl"
 SUMMARY = "summary.json"
@@ -35,10 +35,11 @@ class PartWriter:
             raise ValueError("rows_per_part must be at least 1")
         self.folder = Path(folder)
         if self.folder.exists() and not self.folder.is_dir():
-            raise InputError(f"--out {self.folder} is a file; with --ray, --out names a folder for JSONL parts")
+            raise InputError(f"{setting('out', str(self.folder))} is a file; with {setting('ray')}, {setting('out')} "
+                             "names a folder for JSONL parts")
         old = (sorted(self.folder.glob("part-*.jsonl")) + sorted(self.folder.glob(SUMMARY))) if self.folder.is_dir() else []
         if old:
-            raise InputError(f"--out {self.folder} already holds results ({old[0].name}, ...); "
+            raise InputError(f"{setting('out', str(self.folder))} already holds results ({old[0].name}, ...); "
                              "pass a new folder or delete them")
         self.folder.mkdir(parents=True, exist_ok=True)
         self.rows_per_part = rows_per_part

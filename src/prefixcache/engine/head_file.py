@@ -30,7 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
 from ..cache.disk import token_hash
-from ..errors import HeadMismatchError, InputError
+from ..errors import HeadMismatchError, InputError, setting
 from ..spec.selection import normalize_text
 from .head import FittedHead
 
@@ -150,7 +150,7 @@ def check(manifest: Mapping, loaded, prompt, labels: Sequence[str], feature: str
         detail = "; ".join(_difference(name, expected[name], found[name]) for name in differ)
         raise HeadMismatchError(
             f"this head was fitted for another {' and '.join(differ)} ({detail}); "
-            "fit a head for this task and model with `prefixcache fit`, or drop --head"
+            f"fit a head for this task and model with `prefixcache fit`, or drop {setting('head')}"
         )
 
 

@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Sequence
 from .calibration import Prior, calibrate, content_free_prior
 from ..engine.head import FittedHead
 from ..engine.head_file import head_for, text_hash
-from ..errors import InputError
+from ..errors import InputError, setting
 from .metrics import Metrics, compute_metrics
 from ..model.load import LoadedModel
 from ..run.classify import Classifier, warmup
@@ -125,7 +125,8 @@ def labelled_records(records: Iterable[Record], label_field: str, task: Task) ->
         elif str(value) not in task.labels:
             unknown.setdefault(str(value), []).append(_row(index, record))
     if missing:
-        raise InputError(f"{_named(missing)}: no gold label in field {label_field!r}; pass --label-field NAME")
+        raise InputError(f"{_named(missing)}: no gold label in field {label_field!r}; "
+                         f"name the gold label's field with {setting('label_field')}")
     if unknown:
         known = ", ".join(task.labels)
         bad = "; ".join(f"{label!r} in {_named(rows)}" for label, rows in unknown.items())
@@ -291,6 +292,8 @@ def parse_steps(text: str) -> list[int]:
     for part in text.split(","):
         part = part.strip()
         if not part.isdigit():
-            raise InputError(f"--sweep-examples takes whole numbers separated by commas, like 0,3,6,12; got {part!r}")
+            raise InputError(
+                f"{setting('sweep_examples')} takes whole numbers separated by commas, like 0,3,6,12; got {part!r}"
+            )
         steps.append(int(part))
     return steps

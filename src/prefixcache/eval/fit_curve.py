@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 import numpy as np
 from sklearn.model_selection import train_test_split
 
-from ..errors import InputError
+from ..errors import InputError, setting
 from ..run.features import FeatureSet
 from .fit_head import fit_head, gold_indices
 
@@ -57,7 +57,9 @@ def parse_shots(text: str) -> list[int | None]:
         elif part.isdigit() and int(part) > 0:
             shots.append(int(part))
         else:
-            raise InputError(f"--curve takes rows per label separated by commas, like 1,2,5,10,all; got {part!r}")
+            raise InputError(
+                f"{setting('curve')} takes rows per label separated by commas, like 1,2,5,10,all; got {part!r}"
+            )
     return shots
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterable, Sequence
 
-from ..errors import InputError
+from ..errors import InputError, setting
 from .jsonl import json_line, write_line
 from ..types import Prediction, Record
 
@@ -88,7 +88,7 @@ def recover(path: Path) -> Recovered:
             if prediction is None:
                 raise InputError(
                     f"{path}:{number}: not a prediction line; this file was not written by 'prefixcache classify' "
-                    "or was edited. Move it aside, or choose another --out"
+                    f"or was edited. Move it aside, or choose another {setting('out')}"
                 )
             ids.append(prediction["id"])
             failed += prediction.get("error") is not None
@@ -132,14 +132,14 @@ def check_matches(done: Recovered, records: Sequence[Record], out: Path) -> None
     if done.lines > len(records):
         raise InputError(
             f"{out} has {done.lines} lines but the input has only {len(records)} rows: it belongs to another "
-            "input. Move it aside, or choose another --out"
+            f"input. Move it aside, or choose another {setting('out')}"
         )
     for number, (got, record) in enumerate(zip(done.ids, records), start=1):
         want = _as_json(record.id)
         if got != want:
             raise InputError(
                 f"{out}:{number} is for id {got!r} but input row {number - 1} has id {want!r}: the output belongs "
-                "to another input (or --id-field). Move it aside, or choose another --out"
+                f"to another input (or {setting('id_field')}). Move it aside, or choose another {setting('out')}"
             )
 
 
@@ -167,8 +167,8 @@ def write_predictions(
         for prediction in predictions:
             if prediction.error is not None and on_error == "fail":
                 raise InputError(
-                    f"{prediction.error}\nstopped by --on-error fail after {lines} lines; fix the input, then "
-                    "rerun with --resume to continue from this record (or use --on-error skip)"
+                    f"{prediction.error}\nstopped by {setting('on_error', 'fail')} after {lines} lines; fix the input, "
+                    f"then rerun with {setting('resume')} to continue from this record (or use {setting('on_error', 'skip')})"
                 )
             write_line(sink, prediction.to_json())
             lines += 1

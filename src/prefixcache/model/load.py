@@ -32,7 +32,7 @@ import torch
 
 from .allocator import keep_freed_memory
 from .catalog import DEFAULT_MODEL, DTYPE_CHOICES, DTYPE_NAMES, EMBEDDED, MODEL_CONFIGS
-from ..errors import ModelNotFoundError
+from ..errors import ModelNotFoundError, setting
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ def _hub_or_folder(spec: str) -> tuple[str, str]:
             raise ModelNotFoundError(f"{spec} is a file, not a model folder; pass a Hugging Face model folder or a .gguf file")
         raise ModelNotFoundError(
             f"{spec}: no such model folder (the folder does not exist); pass an existing Hugging Face "
-            f"model folder, a .gguf path, or the embedded model: --model {DEFAULT_MODEL}"
+            f"model folder, a .gguf path, or the embedded model: {setting('model', DEFAULT_MODEL)}"
         )
     from huggingface_hub import try_to_load_from_cache
     from huggingface_hub.utils import HFValidationError
@@ -223,7 +223,7 @@ def _hub_or_folder(spec: str) -> tuple[str, str]:
     except HFValidationError:
         raise ModelNotFoundError(
             f"{spec!r} is neither a folder here nor a valid Hugging Face id (namespace/name); pass an existing "
-            f"model folder, a .gguf path, a Hugging Face id, or the embedded model: --model {DEFAULT_MODEL}"
+            f"model folder, a .gguf path, a Hugging Face id, or the embedded model: {setting('model', DEFAULT_MODEL)}"
         ) from None
     if isinstance(cached, str):
         revision = Path(cached).parent.name
@@ -238,7 +238,7 @@ def _hub_or_folder(spec: str) -> tuple[str, str]:
         raise ModelNotFoundError(
             f"model {spec!r} is not in the local Hugging Face cache and the hub cannot be reached from here. "
             f"On a machine with internet access run `huggingface-cli download {spec}` (or copy the model folder "
-            f"here and pass its path), or use the embedded model: --model {DEFAULT_MODEL}"
+            f"here and pass its path), or use the embedded model: {setting('model', DEFAULT_MODEL)}"
         )
     return spec, f"hf:{spec}"
 
@@ -310,7 +310,9 @@ def load_random_model(config_name: str, dtype: str = "auto", threads: int | None
     from transformers import AutoConfig
 
     if config_name not in MODEL_CONFIGS:
-        raise ModelNotFoundError(f"unknown --model-config {config_name!r}; choose one of {', '.join(MODEL_CONFIGS)}")
+        raise ModelNotFoundError(
+            f"unknown {setting('model_config')} {config_name!r}; choose one of {', '.join(MODEL_CONFIGS)}"
+        )
     set_threads(threads)
     dev = resolve_device(None)
     torch_dtype = resolve_dtype(dtype, dev)

@@ -36,7 +36,7 @@ from ..engine.forward import score_rows
 from ..engine.head import FittedHead, head_rows
 from ..engine.head_file import check as check_head, head_for
 from ..engine.scoring import LabelHead
-from ..errors import ContextOverflowError, HeadMismatchError, InputError, PromptError
+from ..errors import ContextOverflowError, HeadMismatchError, InputError, PromptError, setting
 from ..model.load import LoadedModel
 from ..spec.context import ContextFit, blank_warning, context_limit, label_overhang
 from ..spec.prompt import Encoded, Prompt, build_prompt
@@ -87,8 +87,8 @@ class Classifier(BoundTask):
         if self.fitted_head is None:
             return self.prompt.resolve_method(method)
         if method != "auto":
-            raise PromptError(f"--method {method} scores with the prompt's label tokens; a fitted head scores "
-                              "instead: drop --method, or drop the head")
+            raise PromptError(f"{setting('method', method)} scores with the prompt's label tokens; a fitted head scores "
+                              f"instead: drop {setting('method')}, or drop the head")
         head = self.fitted_head
         check_head(head.manifest, self.loaded, self.prompt, list(self.prompt.label_ids))
         head.spec.check(self.loaded.model)

@@ -29,7 +29,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 
 from ..errors import (
     InputError, ItemError, PoolBudgetError, PrefixCacheError, PromptError, QueueFullError, RequestLimitError,
-    ShuttingDownError, TaskError, TaskUploadError, UnknownTaskError, WrongTaskKindError,
+    ShuttingDownError, TaskError, TaskUploadError, UnknownTaskError, WrongTaskKindError, neutral_spelling,
 )
 from ..model.load import LoadedModel
 from ..spec.task import ExtractTask, Task, parse_task
@@ -201,11 +201,27 @@ async def _error_response(request: Request, exc: PrefixCacheError) -> JSONRespon
     if os.environ.get("PREFIXCACHE_DEBUG"):
         raise exc
     status = _status(exc)
-    body = {"detail": str(exc)}
+    body = {"detail": exc.render(http_spelling)}
     if getattr(exc, "item", None) is not None:
         body["item"] = exc.item
     headers = {"retry-after": str(exc.retry_after)} if isinstance(exc, QueueFullError) else None
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+# A library setting named in an error (``errors.setting``) as an HTTP client can act on it: a field of the task
+# it uploads, or a setting the server was started with (the operator's to change).
+TASK_FIELDS = {"head": "head"}
+SERVER_SETTINGS = {"method": "method", "cache_budget": "cache_budget_bytes", "model": "model"}
+
+
+def http_spelling(name: str, value: str | None = None) -> str:
+    """``head`` -> ``the task's field 'head'``; ``("method", "full")`` -> ``the server's setting method="full"``;
+    a setting this server does not have keeps its neutral name and says so."""
+    if name in TASK_FIELDS:
+        return f"the task's field {TASK_FIELDS[name]!r}" + ("" if value is None else f' set to "{value}"')
+    if name in SERVER_SETTINGS:
+        return f"the server's setting {neutral_spelling(SERVER_SETTINGS[name], value)}"
+    return f"{neutral_spelling(name, value)} (not a setting of this server)"
 
 
 # An error type's HTTP status; the first entry the error is an instance of wins, anything else is a 500.

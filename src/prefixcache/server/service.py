@@ -135,7 +135,7 @@ class Service:
         except PoolBudgetError as exc:
             if not uploaded:
                 raise
-            raise TaskUploadError(f"task {task.name!r}: {exc}") from None
+            raise TaskUploadError(f"task {task.name!r}: {exc.args[0]}") from None  # args[0]: its setting markers kept
         created = task.name not in self._runners
         old = self._runners.get(task.name)
         self._runners[task.name] = runner

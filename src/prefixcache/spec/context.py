@@ -24,7 +24,7 @@ from typing import Mapping
 
 import torch
 
-from ..errors import ContextOverflowError, InputError
+from ..errors import ContextOverflowError, InputError, setting
 from ..types import OVERFLOW
 from .prompt import Encoded, Prompt
 
@@ -99,7 +99,8 @@ class ContextFit:
         if policy == "error":
             raise ContextOverflowError(
                 f"record {record_id!r}: field {name!r} is too long: the prompt needs {self.needed(encoded)} tokens "
-                f"but the model's context is {self.limit}; shorten it, or have it cut to fit (overflow policy 'truncate')"
+                f"but the model's context is {self.limit}; shorten it, or have it cut to fit "
+                f"({setting('overflow', 'truncate')})"
             )
         text = str(fields[name])
         keep, fitted = self._longest_start(fields, record_id, name, text)

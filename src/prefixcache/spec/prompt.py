@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from ..errors import InputError, LabelCollisionError, PromptError
+from ..errors import InputError, LabelCollisionError, PromptError, setting
 from .restart import Restart, tokenize_prompts
 from .selection import resolve_examples
 from .task import Task
@@ -143,7 +143,7 @@ class Prompt(RecordSlot):
             a, b, token = collision
             raise LabelCollisionError(
                 f"labels {a!r} and {b!r} both start with token {token}; first-token scoring cannot tell them "
-                "apart. Use --method full, or rename one label."
+                f"apart. Use {setting('method', 'full')}, or rename one label."
             )
         return method
 
