@@ -96,7 +96,39 @@ def test_identity_and_prefix_hash_are_recorded(tiny_llama, task):
     assert len(features.prefix_hash) == 64
 
 
-@pytest.mark.parametrize("bad", ["", "first", "last@", "mean@x", "last+last", "last@99"])
+@pytest.mark.parametrize("bad", ["", "first", "last@", "mean@x", "last+last", "last@99", "mean@3/0", "mean@5/4", "last@1+last@1/2"])
 def test_bad_feature_specs_are_refused(tiny_llama, task, bad):
     with pytest.raises(InputError, match="feature"):
         collect_features(tiny_llama, task, records_from_texts(["hi"]), feature=bad)
+
+
+@pytest.mark.parametrize(("text", "layers", "resolved"), [
+    ("mean@3/4", 30, "mean@22"), ("last+mean@3/4", 2, "last+mean@1"), ("mean@1/2", 2, "mean@1"),
+    ("last@0/4", 30, "last@0"), ("mean@4/4", 30, "mean@30"), ("last+mean@15", 30, "last+mean@15"),
+])
+def test_depth_fractions_resolve_to_absolute_layers(text, layers, resolved):
+    """``@P/Q`` is layer floor(N * P / Q) of an N-layer model, so one spec (the default) fits every model."""
+
+    class Config:
+        num_hidden_layers = layers
+
+        def get_text_config(self, decoder=True):
+            return self
+
+    class Model:
+        config = Config()
+
+    spec = FeatureSpec.parse(text)
+    assert str(spec) == text, "the unresolved spec keeps its own spelling"
+    assert str(spec.resolve(Model())) == resolved
+
+
+def test_collected_features_name_the_resolved_layers(tiny_llama, task, texts):
+    """A depth fraction reads the layer it resolves to, and the feature set (hence a head's manifest) names it."""
+    records = records_from_texts(texts)
+    relative = collect_features(tiny_llama, task, records, feature="last+mean@1/2")
+    absolute = collect_features(tiny_llama, task, records, feature="last+mean@1")
+    assert relative.feature == "last+mean@1"
+    assert np.array_equal(relative.features, absolute.features)
+    with pytest.raises(ValueError, match="resolve"):
+        FeatureSpec.parse("mean@1/2").layers

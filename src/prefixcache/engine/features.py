@@ -7,7 +7,11 @@ A feature spec is a string. Its parts, joined by ``+``, are concatenated in the 
 * ``mean``: the final layer's states averaged over the record's own tokens;
 * ``last@K`` / ``mean@K``: the same at decoder layer ``K``'s output, indexed as transformers'
   ``hidden_states``: ``0`` is the token embeddings, ``K`` the K-th decoder layer's output (1-based),
-  and ``K`` = the number of layers is the final, normed state (so ``last@N`` equals ``last``).
+  and ``K`` = the number of layers is the final, normed state (so ``last@N`` equals ``last``);
+* ``last@P/Q`` / ``mean@P/Q``: depth-relative, the layer ``floor(N * P / Q)`` of an ``N``-layer model
+  (``mean@3/4`` is layer 22 of the embedded model's 30, layer 1 of a 2-layer one), so one spec fits
+  every model. :meth:`FeatureSpec.resolve` turns it into absolute layers; a fitted head's manifest
+  keeps the resolved form, so a head file names the exact layers it was fitted on.
 
 "The record's own tokens" are the prompt's tokens from the stored prefix's length on: for a row fed
 after the prefix, all of its tokens; for a row re-encoded in full (``full`` mode, or a record that
@@ -30,18 +34,28 @@ from ..cache.kv import PrefixKV
 from ..errors import InputError
 
 POOLS = ("last", "mean")
-_PART = re.compile(r"^(last|mean)(?:@(\d+))?$")
+_PART = re.compile(r"^(last|mean)(?:@(\d+)(?:/(\d+))?)?$")
 
 
 @dataclass(frozen=True)
 class FeaturePart:
-    """One pooled state: ``pool`` (one of :data:`POOLS`) at ``layer`` (None: the final, normed layer)."""
+    """One pooled state: ``pool`` (one of :data:`POOLS`) at ``layer`` (None: the final, normed layer), or at
+    the depth ``fraction`` = (P, Q) of the model's layers until :meth:`resolved` against a model."""
 
     pool: str
     layer: int | None = None
+    fraction: tuple[int, int] | None = None
 
     def __str__(self) -> str:
+        if self.fraction is not None:
+            return f"{self.pool}@{self.fraction[0]}/{self.fraction[1]}"
         return self.pool if self.layer is None else f"{self.pool}@{self.layer}"
+
+    def resolved(self, layers: int) -> FeaturePart:
+        """This part at an absolute layer of an ``layers``-layer model (a fraction rounds down)."""
+        if self.fraction is None:
+            return self
+        return FeaturePart(self.pool, layers * self.fraction[0] // self.fraction[1])
 
 
 @dataclass(frozen=True)
@@ -62,11 +76,11 @@ class FeatureSpec:
             match = _PART.match(piece.strip())
             if match is None:
                 raise InputError(
-                    f"feature {text!r}: part {piece.strip()!r} is not one of last, mean, last@K, mean@K "
-                    "(K a layer number); join parts with '+', like last+mean@15"
+                    f"feature {text!r}: part {piece.strip()!r} is not one of last, mean, last@K, mean@K, "
+                    "last@P/Q, mean@P/Q (K a layer number, P/Q a fraction of the depth); join parts with '+', "
+                    "like last+mean@3/4"
                 )
-            layer = int(match.group(2)) if match.group(2) is not None else None
-            parts.append(FeaturePart(match.group(1), layer))
+            parts.append(_part(text, *match.groups()))
         if len(set(parts)) != len(parts):
             raise InputError(f"feature {text!r} names a part twice")
         return cls(tuple(parts))
@@ -76,19 +90,49 @@ class FeatureSpec:
 
     @property
     def layers(self) -> tuple[int, ...]:
-        """The decoder layers (hidden-state indices) the spec reads besides the final one, ascending."""
+        """The decoder layers (hidden-state indices) the spec reads besides the final one, ascending.
+
+        Raises:
+            ValueError: the spec has a depth-relative part; :meth:`resolve` it first.
+        """
+        if any(p.fraction is not None for p in self.parts):
+            raise ValueError(f"feature {self} has a depth-relative part: resolve it against a model first")
         return tuple(sorted({p.layer for p in self.parts if p.layer is not None}))
 
-    def check(self, model: torch.nn.Module) -> None:
-        """Raise InputError when a layer index is outside ``0 .. num_hidden_layers`` of ``model``."""
+    def resolve(self, model: torch.nn.Module) -> FeatureSpec:
+        """This spec with absolute layers for ``model`` (depth fractions resolved), checked against its depth.
+
+        Raises:
+            InputError: a layer outside ``0 .. num_hidden_layers``, or two parts that resolve to the same one.
+        """
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
-        bad = [k for k in self.layers if k > layers]
+        resolved = FeatureSpec(tuple(p.resolved(layers) for p in self.parts))
+        bad = [k for k in resolved.layers if k > layers]
         if bad:
             raise InputError(f"feature {self}: the model has {layers} layers, so K in @K must be 0..{layers}, not {bad[0]}")
+        if len(set(resolved.parts)) != len(resolved.parts):
+            raise InputError(f"feature {self}: two parts name the same layer of this {layers}-layer model ({resolved})")
+        return resolved
+
+    def check(self, model: torch.nn.Module) -> None:
+        """Raise InputError unless the spec reads only layers ``model`` has (see :meth:`resolve`)."""
+        self.resolve(model)
 
     def width(self, hidden_size: int) -> int:
         """Features per row: one hidden state per part."""
         return len(self.parts) * hidden_size
+
+
+def _part(text: str, pool: str, number: str | None, denominator: str | None) -> FeaturePart:
+    """A parsed part: ``pool``, ``pool@K`` or ``pool@P/Q`` (0 <= P <= Q, Q > 0)."""
+    if number is None:
+        return FeaturePart(pool)
+    if denominator is None:
+        return FeaturePart(pool, int(number))
+    p, q = int(number), int(denominator)
+    if q == 0 or p > q:
+        raise InputError(f"feature {text!r}: a depth fraction P/Q needs 0 <= P <= Q and Q > 0, not {p}/{q}")
+    return FeaturePart(pool, fraction=(p, q))
 
 
 @dataclass(frozen=True)

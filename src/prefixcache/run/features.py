@@ -47,7 +47,7 @@ class FeatureSet:
         prompt_logprobs: ``[N, L]`` float32, the prompt's own label log-probs from the first-token label
             rows, normalized over the label set (labels sharing a first token get tied scores).
         labels: the task's label order (the columns of ``prompt_logprobs``).
-        feature: the canonical feature spec.
+        feature: the canonical feature spec, its layers absolute (depth fractions resolved for this model).
         prefix_hash: SHA-256 of the stored prefix's token ids (:func:`~prefixcache.cache.disk.token_hash`).
         model_identity: the model's ``identity``.
         errors: id -> message for every record that did not run.
@@ -87,8 +87,7 @@ class FeatureCollector(BoundTask):
     def __init__(self, loaded: LoadedModel, task: Task, feature: str | FeatureSpec = DEFAULT_FEATURE, pool: PrefixPool | None = None):
         self.prompt: Prompt = build_prompt(task, loaded.tokenizer)
         super().__init__(loaded, task, pool)
-        self.spec = feature if isinstance(feature, FeatureSpec) else FeatureSpec.parse(feature)
-        self.spec.check(loaded.model)
+        self.spec = (feature if isinstance(feature, FeatureSpec) else FeatureSpec.parse(feature)).resolve(loaded.model)
         self.label_rows = LabelHead(loaded.model, self.prompt, "first-token")  # tied where first tokens collide
         self.fit = ContextFit(self.prompt, loaded.tokenizer, context_limit(loaded.model), 0)
 
