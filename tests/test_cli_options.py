@@ -70,6 +70,7 @@ BAD = {
     ("bench", "--json"): (f"{NOWHERE}/bench.json", "is not a folder", 2),
     ("bench", "--plot"): (f"{NOWHERE}/bench.png", "is not a folder", 2),
     ("bench", "--sweep-plot"): (f"{NOWHERE}/sweep.png", "is not a folder", 2),
+    ("bench", "--head"): ("/nonexistent-folder/head.safetensors", "does not exist", 2),  # or `fit`: fits one
     **{("serve", option): ANY[option] for option in ("--task", "--model", "--dtype", "--threads", "--method", "--cache-budget")},
     ("serve", "--host"): ("256.256.256.256", "cannot listen on 256.256.256.256", 2),
     ("serve", "--port"): ("70000", "--port", 2),

@@ -10,18 +10,26 @@ from typing import Callable
 import torch
 
 from ..model.load import load_model, load_random_model, resolve_device, resolve_dtype, set_threads
+from ..engine.head_file import load_head
+from ..errors import InputError, setting
 from ..run.classify import Classifier
 from ..spec.task import ExtractTask, load_any_task, load_task
 from .extract_lanes import run_extract_bench
+from .head_lanes import FIT, bench_head, gold_labels, head_document, head_lanes, without_head
 from .lanes import BenchReport, Lane, classifier_lane, dtype_name, matmul_peak_gflops, run_lanes, same_dtype_copy, sweep_prefix
 from .options import BenchOptions
 from .peers import llama_cpp_lane
 from .workload import ticket_records
 
 
-def build_lanes(options: BenchOptions, log: Callable[[str], None]) -> tuple[list[Lane], dict, object]:
-    """Load the model(s) and make the lanes: full, cached, batched in float32, then full and batched at
-    the ``auto`` dtype when that differs, then llama.cpp when available."""
+def build_lanes(options: BenchOptions, records: list, log: Callable[[str], None]) -> tuple[list[Lane], dict, object]:
+    """Load the model(s) and make the lanes: full, cached, batched in float32, then with a head
+    (:mod:`.head_lanes`) full and batched through it in float32, then full and batched at the ``auto``
+    dtype when that differs, then llama.cpp when available.
+
+    Raises:
+        HeadMismatchError: the head was fitted for another model, prompt or label set.
+    """
     task = load_task(options.task)
     threads = set_threads(options.threads)
     run_dtype = resolve_dtype(options.dtype, resolve_device(None))
@@ -30,14 +38,17 @@ def build_lanes(options: BenchOptions, log: Callable[[str], None]) -> tuple[list
     else:
         base = load_model(options.model, "float32", threads)
     log(f"model {base.identity}, {threads} threads, run dtype {dtype_name(run_dtype)}")
-    reference = Classifier(base, task)
+    reference = Classifier(base, without_head(task))
     lanes = [
         classifier_lane("full", reference, "full"),
         classifier_lane("cached", reference, "cached"),
         classifier_lane("batched", reference, "batched", options.batch_size),
     ]
+    head = bench_head(options.head, base, task, records, options.batch_size, log)
+    if head is not None:
+        lanes += head_lanes(base, task, head, options.batch_size)
     if run_dtype != torch.float32:
-        fast = Classifier(same_dtype_copy(base, run_dtype), task)
+        fast = Classifier(same_dtype_copy(base, run_dtype), without_head(task))
         lanes += [
             classifier_lane("full", fast, "full"),
             classifier_lane("batched", fast, "batched", options.batch_size),
@@ -47,7 +58,25 @@ def build_lanes(options: BenchOptions, log: Callable[[str], None]) -> tuple[list
         if lane is not None:
             lanes.append(lane)
     meta = {"dtype": dtype_name(run_dtype), "threads": threads, "prefix_tokens": len(reference.prompt.prefix_ids), "task": task.name, "model": base.identity}
+    if head is not None:
+        meta["head"] = head_document(head, options.head or str(task.head))
     return lanes, meta, base
+
+
+def check_head_options(options: BenchOptions, records: list) -> None:
+    """Refuse a head the workload cannot use before any model loads: a head beside an extraction task, or
+    ``--head fit`` on records without the task's gold labels.
+
+    Raises:
+        InputError: naming the problem.
+    """
+    task = load_any_task(options.task)
+    if options.head is not None and isinstance(task, ExtractTask):
+        raise InputError(f"{setting('head')} scores labels; task {task.name!r} is an extraction task")
+    if options.head == FIT:
+        gold_labels(records, task)
+    elif options.head is not None:
+        load_head(options.head)  # a missing or unreadable file is refused here
 
 
 def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> tuple[BenchReport, dict]:
@@ -55,10 +84,11 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> tupl
 
     An extraction task (``kind: extract``) runs :func:`prefixcache.bench.extract_lanes.run_extract_bench` instead.
     """
+    records = ticket_records(options.items)
+    check_head_options(options, records)
     if isinstance(load_any_task(options.task), ExtractTask):
         return run_extract_bench(options, log)
-    lanes, meta, base = build_lanes(options, log)
-    records = ticket_records(options.items)
+    lanes, meta, base = build_lanes(options, records, log)
     dtypes = sorted({lane.dtype for lane in lanes if lane.dtype in ("float32", "bfloat16", "float16")})
     peaks = {d: matmul_peak_gflops(getattr(torch, d), base.device) for d in dtypes}
     log("matmul peak: " + ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in peaks.items()))
@@ -76,7 +106,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> tupl
     if options.sweep_targets:
         points = sweep_prefix(
             base if meta["dtype"] == "float32" else same_dtype_copy(base, getattr(torch, meta["dtype"])),
-            load_task(options.task),
+            without_head(load_task(options.task)),
             records[: options.sweep_items],
             options.sweep_targets,
             options.batch_size,

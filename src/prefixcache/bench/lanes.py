@@ -3,7 +3,8 @@
 A *lane* is one way of classifying the records (a run mode at a dtype, or a
 peer such as llama.cpp). All lanes run in the same process, after a warm-up,
 on the same records; the first lane (``full``) is the reference for speed-up,
-label agreement and log-prob drift.
+and for label agreement and log-prob drift unless a lane names another reference
+(a head lane is compared with ``full`` re-encoding through the same fitted head).
 
 The roofline: the machine's matmul peak is measured in the same run at each
 lane's dtype and thread count, and each lane's achieved FLOP/s is reported as
@@ -44,6 +45,7 @@ class ModeResult:
     pct_of_peak: float | None = None
     near_ties: int = 0
     disagreements_outside_ties: int = 0
+    reference: str = "full"  # the lane whose labels and log-probs agreement and drift are measured against
 
     @property
     def ms_per_item(self) -> float:
@@ -59,7 +61,11 @@ class ModeResult:
 
 @dataclass(frozen=True)
 class Lane:
-    """A way to classify records: ``run(records) -> (predictions, stats)``."""
+    """A way to classify records: ``run(records) -> (predictions, stats)``.
+
+    ``reference``: the name of an earlier lane whose predictions this lane's agreement and drift are
+    measured against (None: the first lane). Speed-up is always against the first lane.
+    """
 
     name: str
     dtype: str
@@ -68,9 +74,10 @@ class Lane:
     gflop_per_token: float = 0.0
     head_gflop_per_record: float = 0.0
     warm: Callable[[], None] = lambda: None
+    reference: str | None = None
 
 
-def classifier_lane(name: str, classifier: Classifier, mode: str, batch_size: int = 1) -> Lane:
+def classifier_lane(name: str, classifier: Classifier, mode: str, batch_size: int = 1, reference: str | None = None) -> Lane:
     """A lane for one run mode (:class:`~prefixcache.types.Mode`) of ``classifier``."""
     config = RunConfig(mode, Mode(mode).pass_size(batch_size))
 
@@ -87,6 +94,7 @@ def classifier_lane(name: str, classifier: Classifier, mode: str, batch_size: in
         2 * nonembedding_params(model) / 1e9,
         head_gflop(classifier),
         lambda: warmup(classifier),
+        reference,
     )
 
 
@@ -104,10 +112,14 @@ def nonembedding_params(model: torch.nn.Module) -> int:
 
 
 def head_gflop(classifier: Classifier) -> float:
-    """Output-head GFLOP per record actually done by the scoring method."""
+    """Output-head GFLOP per record actually done by the scoring method (a fitted head: its ``[F] x [F, L]``
+    product, plus the prompt's label rows for a head on the prompt)."""
     config = classifier.loaded.model.config.get_text_config(decoder=True)
     hidden, vocab = config.hidden_size, config.vocab_size
     labels = len(classifier.prompt.label_ids)
+    fitted = classifier.fitted_head
+    if fitted is not None:
+        return 2 * (fitted.width + (hidden if fitted.on_prompt else 0)) * labels / 1e9
     if classifier.method == "first-token":
         return 2 * hidden * labels / 1e9
     steps = 1 + sum(len(ids) - 1 for ids in classifier.prompt.label_ids.values())
@@ -152,7 +164,7 @@ def run_lanes(
     peaks: dict[str, float] | None = None,
     on_lane: Callable[[str], None] | None = None,
 ) -> BenchReport:
-    """Run every lane on ``records``; the first is the reference.
+    """Run every lane on ``records``; the first is the reference (for agreement: the lane's own ``reference``).
 
     Near ties scale with each lane's own numerical noise: with ``d`` the lane's max
     |Δ log-prob| against the reference, a record is a near tie when the reference's
@@ -161,8 +173,7 @@ def run_lanes(
     ``disagreements_outside_ties`` is expected to be 0.
     """
     peaks = dict(peaks or {})
-    results, outputs = [], {}
-    reference: list[Prediction] | None = None
+    results, outputs, first_of = [], {}, {}
     ref_seconds = 0.0
     for lane in lanes:
         if on_lane:
@@ -171,8 +182,13 @@ def run_lanes(
         started = time.perf_counter()
         predictions, stats = lane.run(records)
         seconds = time.perf_counter() - started
-        if reference is None:
-            reference, ref_seconds = predictions, seconds
+        if not first_of:
+            ref_seconds = seconds
+        first_of.setdefault(lane.name, predictions)  # a name's first lane (the float32 one) is its reference
+        reference_name = lane.reference or lanes[0].name
+        if reference_name not in first_of:
+            raise ValueError(f"lane {lane.name!r} is compared with {reference_name!r}, which has not run before it")
+        reference = first_of[reference_name]
         agreement = compare(reference, predictions)
         ties = near_tie_ids(reference, 2 * agreement.max_abs_logprob_diff)
         gflop = lane.gflop_per_token * stats.tokens_computed + lane.head_gflop_per_record * len(records)
@@ -193,6 +209,7 @@ def run_lanes(
                 100 * gflop / seconds / peak if peak and gflop else None,
                 len(ties),
                 len(set(agreement.disagreeing_ids) - ties),
+                reference_name,
             )
         )
     return BenchReport(results, peaks, outputs)

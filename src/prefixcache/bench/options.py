@@ -21,6 +21,8 @@ class BenchOptions:
         llama_cpp: add the llama.cpp lane when llama-cpp-python is installed.
         sweep_targets: prefix lengths of the prefix sweep (empty: no sweep).
         sweep_full_items, sweep_items: records per sweep step in the full and the batched lane.
+        head: a fitted head file for the head lanes, or ``"fit"``: fit one on the bench's records first
+            (for timing only). None: the task file's ``head:``, if any (see :mod:`prefixcache.bench.head_lanes`).
     """
 
     task: str = "tickets-compact"
@@ -34,3 +36,4 @@ class BenchOptions:
     sweep_targets: tuple[int, ...] = ()
     sweep_full_items: int = 16
     sweep_items: int = 128
+    head: str | None = None

@@ -17,12 +17,19 @@ from ..eval.plots import wrap_title  # noqa: E402
 from .lanes import ModeResult, SweepPoint  # noqa: E402
 
 
+def lane_color(mode: str) -> str:
+    """Grey for the full baselines, green for a head lane (``+head``), orange for llama.cpp, blue otherwise."""
+    if mode.endswith("+head"):
+        return "#8fbc8f" if mode.startswith("full") else "#55a868"
+    return "#999999" if mode == "full" else "#dd8452" if mode == "llama.cpp" else "#4c72b0"
+
+
 def plot_modes(results: Sequence[ModeResult], path: Path, title: str) -> Path:
     """Bars of ms per item (log scale) with the speed-up over ``full`` written on each bar."""
     fig, ax = plt.subplots(figsize=(8, 4.2))
     names = [f"{r.mode}\n{r.dtype}, b={r.batch_size}" for r in results]
     values = [r.ms_per_item for r in results]
-    colors = ["#999999" if r.mode == "full" else "#4c72b0" if r.mode != "llama.cpp" else "#dd8452" for r in results]
+    colors = [lane_color(r.mode) for r in results]
     bars = ax.bar(names, values, color=colors)
     for bar, r in zip(bars, results):
         label = f"{r.ms_per_item:.1f} ms\n{r.speedup_vs_full:.1f}x"

@@ -34,8 +34,13 @@ def bench(
     sweep: bool = typer.Option(False, "--sweep-prefix", help="Also time full vs batched at prefixes of ~150 to 2,000 tokens."),
     sweep_plot: Optional[Path] = typer.Option(None, "--sweep-plot", help="PNG for the prefix sweep (default: next to --plot)."),
     no_llama_cpp: bool = typer.Option(False, "--no-llama-cpp", help="Skip the llama.cpp lane."),
+    head: Optional[str] = typer.Option(
+        None, "--head", help="A fitted label head (prefixcache fit), or 'fit' to fit one on the bench's own records "
+        "first (timing only): adds full+head and batched+head lanes. Default: the task file's head:, if any."
+    ),
 ):
-    """Time full, cached, batched (and llama.cpp) on the same records in one run; report ratios and % of peak."""
+    """Time full, cached, batched (and llama.cpp) on the same records in one run; report ratios and % of peak.
+    With a head, also full and batched through it (agreement measured against full+head)."""
     from ..bench.job import run_bench
 
     if random_weights != bool(model_config):
@@ -45,7 +50,7 @@ def bench(
     options = BenchOptions(
         task=task, items=items, model=model, model_config=model_config, dtype=choice(dtype, DTYPE_CHOICES, "--dtype"),
         threads=threads, batch_size=batch_size, llama_cpp=not no_llama_cpp,
-        sweep_targets=SWEEP_TARGETS if sweep else (),
+        sweep_targets=SWEEP_TARGETS if sweep else (), head=head,
     )
     quiet_transformers()
     report, document = run_bench(options, log=lambda line: err.print(line, highlight=False))

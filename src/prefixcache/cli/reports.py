@@ -14,8 +14,9 @@ from .boundary import err, out
 
 
 def timing_table(results: list, title: str) -> Table:
-    """One row per :class:`~prefixcache.bench.lanes.ModeResult`: time, ratios, agreement with ``full``."""
-    table = Table(title=title)
+    """One row per :class:`~prefixcache.bench.lanes.ModeResult`: time, ratios against ``full``, agreement with
+    the lane's reference (``full``; a caption names any other, such as ``full+head`` for the head lanes)."""
+    table = Table(title=title, caption=reference_caption(results))
     for col in ("mode", "dtype", "B", "items", "s", "ms/item", "items/s", "x full", "agree", "max|Δlp|", "ties", "%peak"):
         table.add_column(col, justify="right")
     for r in results:
@@ -28,12 +29,24 @@ def timing_table(results: list, title: str) -> Table:
             f"{r.ms_per_item:.1f}",
             f"{r.items_per_s:.1f}",
             f"{r.speedup_vs_full:.2f}x",
-            f"{100 * r.label_agreement:.1f}%",  # labels equal to the full lane's
+            f"{100 * r.label_agreement:.1f}%",  # labels equal to the reference lane's
             f"{r.max_abs_logprob_diff:.1e}",
             f"{r.near_ties}" + (f" ({r.disagreements_outside_ties} not)" if r.disagreements_outside_ties else ""),
             f"{r.pct_of_peak:.0f}%" if r.pct_of_peak is not None else "-",
         )
     return table
+
+
+def reference_caption(results: list) -> str | None:
+    """``agree, max|Δlp|, ties: against full; full+head, batched+head against full+head`` when some lane is
+    measured against another lane than the first; None when every lane is measured against the first."""
+    first = results[0].mode if results else None
+    others = list(dict.fromkeys(r.reference for r in results if r.reference != first))
+    if not others:
+        return None
+    parts = [f"agree, max|Δlp|, ties: against {first}"]
+    parts += [f"{', '.join(r.mode for r in results if r.reference == name)} against {name}" for name in others]
+    return "; ".join(parts)
 
 
 def report_pool(pool) -> None:
