@@ -22,12 +22,11 @@ from ..model.load import LoadedModel
 from ..run.classify import Classifier
 from ..run.features import collect_features
 from ..spec.task import Task
-from ..types import Record
+from ..types import LABEL_FIELD, Record
 from .lanes import Lane, classifier_lane
 
 FIT = "fit"  # ``--head fit``: fit a head on the bench's own records first
 FIT_FOLDS = 3  # cross-validation folds of that fit (it only picks C; the head is for timing)
-LABEL_FIELD = "label"  # the field of a bench record holding its gold label
 HEAD_REFERENCE = "full+head"
 
 
