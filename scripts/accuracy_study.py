@@ -850,7 +850,7 @@ TIMED_PROMPTS = (("support-tickets", "tickets"), ("support-tickets-short", "tick
 
 def timing(args) -> None:
     """Wall-clock ms/record of the batched features pass (batch 32, after the prefix is built and one
-    warm-up batch ran), each prompt twice in interleaved rounds, the faster round kept; then features +
+    warm-up batch ran), each prompt in ``--rounds`` interleaved rounds, the fastest kept; then features +
     fit against classification on the same 1,000 synthetic tickets."""
     from prefixcache.cache.pool import PrefixPool
     from prefixcache.datasets.tickets import generate_tickets
@@ -868,7 +868,7 @@ def timing(args) -> None:
     out = json.loads(out_path.read_text()) if out_path.exists() else {}
     pools = {}
     if not args.skip_prompts:
-        for round_ in range(2):
+        for round_ in range(args.rounds):
             for task_name, key in TIMED_PROMPTS:
                 if args.prompts and task_name not in args.prompts:
                     continue
@@ -887,6 +887,8 @@ def timing(args) -> None:
                 out_path.write_text(json.dumps(out, indent=1))
     # features + fit against classify, same rows, same prompt (support-tickets), batch 32.
     rows = 60 if args.quick else args.compare_rows
+    if rows == 0:
+        return
     tickets = generate_tickets(rows, seed=11)
     records = [Record(t["id"], {"text": t["text"]}) for t in tickets]
     task = load_task_file("support-tickets")
@@ -923,7 +925,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=96, help="rows per timed prompt")
     p.add_argument("--skip-prompts", action="store_true", help="only features + fit vs classify")
     p.add_argument("--prompts", nargs="*", help="time only these prompts (default: all of TIMED_PROMPTS)")
-    p.add_argument("--compare-rows", type=int, default=1000, help="synthetic tickets for features + fit vs classify")
+    p.add_argument("--compare-rows", type=int, default=1000, help="synthetic tickets for features + fit vs classify (0: skip)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds per prompt (the fastest is kept)")
     p = sub.add_parser("run", help="the experiments on the cached features")
     p.add_argument("--only", nargs="*", choices=["a", "b", "c", "d", "e"], help="experiments to run (default: all)")
     p.add_argument("--spec", default="auto", help="feature for (b)-(e); auto: the best mean of (a)")
