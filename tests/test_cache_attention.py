@@ -105,3 +105,103 @@ def test_attention_features_it_cannot_share_are_refused():
     kv = SharedKV(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 1, 4))
     with pytest.raises(NotImplementedError, match="softcap"):
         shared_prefix_attention(torch.nn.Module(), q, kv, kv, None, softcap=30.0)
+
+
+def _reference_attention(q, prefix_k, prefix_v, own_k, own_v, own_visible, scale):
+    """Plain softmax attention over [prefix ; own] keys, kv heads repeated per query head, in float64.
+    q: [B, H, T, d]; prefix_*: [1, kv, P, d]; own_*: [B, kv, S, d]; own_visible: [B, T, S] bool.
+    Returns [B, T, H, d] (the attention function's output layout)."""
+    batch, heads, width, _ = q.shape
+    groups = heads // own_k.shape[1]
+    keys = torch.cat([prefix_k.expand(batch, -1, -1, -1), own_k], dim=2).repeat_interleave(groups, dim=1).double()
+    values = torch.cat([prefix_v.expand(batch, -1, -1, -1), own_v], dim=2).repeat_interleave(groups, dim=1).double()
+    visible = torch.cat([torch.ones(batch, width, prefix_k.shape[2], dtype=torch.bool), own_visible], dim=2)
+    scores = (q.double() @ keys.transpose(-1, -2)) * scale  # [B, H, T, P + S]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    return (scores.softmax(-1) @ values).transpose(1, 2)
+
+
+SHAPES = dict(batch=3, heads=6, kv_heads=2, prefix=5, head_dim=8)  # 3 query heads per kv head: groups != kv heads
+
+
+def _qkv(gen, batch, heads, kv_heads, width, own, prefix, head_dim):
+    q = torch.randn(batch, heads, width, head_dim, generator=gen)
+    prefix_k, prefix_v = (torch.randn(1, kv_heads, prefix, head_dim, generator=gen) for _ in range(2))
+    own_k, own_v = (torch.randn(batch, kv_heads, own, head_dim, generator=gen) for _ in range(2))
+    return q, prefix_k, prefix_v, own_k, own_v
+
+
+@pytest.mark.parametrize("scaling", [None, 0.3], ids=["default-scale", "model-scale"])
+def test_shared_prefix_attention_equals_attention_over_the_concatenated_keys(scaling):
+    """Padded rows with the model's boolean mask, grouped-query heads (groups != kv heads), and the
+    model's own ``scaling`` (or the default ``head_dim ** -0.5`` when it passes none)."""
+    from prefixcache.cache.attention import SharedKV, shared_prefix_attention
+
+    b, h, kv, p, d = (SHAPES[k] for k in ("batch", "heads", "kv_heads", "prefix", "head_dim"))
+    width = 4
+    q, prefix_k, prefix_v, own_k, own_v = _qkv(torch.Generator().manual_seed(5), b, h, kv, width, width, p, d)
+    lengths = torch.tensor([4, 2, 3])  # right-padded rows
+    own_visible = torch.ones(width, width, dtype=torch.bool).tril()[None] & (torch.arange(width) < lengths[:, None])[:, None]
+    mask = torch.cat([torch.ones(b, width, p, dtype=torch.bool), own_visible], dim=2)[:, None]  # [B, 1, T, P + S]
+    out, _ = shared_prefix_attention(
+        torch.nn.Module(), q, SharedKV(prefix_k, own_k), SharedKV(prefix_v, own_v), mask, scaling=scaling
+    )
+    scale = d**-0.5 if scaling is None else scaling
+    want = _reference_attention(q, prefix_k, prefix_v, own_k, own_v, own_visible, scale)
+    assert out.shape == (b, width, h, d)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prefix_attention_without_a_mask_is_causal_from_the_last_query():
+    """No mask (transformers drops an all-true one): queries are the last ``T`` of ``S`` own tokens, each
+    seeing the whole prefix and the own tokens up to its own position."""
+    from prefixcache.cache.attention import SharedKV, shared_prefix_attention
+
+    b, h, kv, p, d = (SHAPES[k] for k in ("batch", "heads", "kv_heads", "prefix", "head_dim"))
+    width, own = 2, 5
+    q, prefix_k, prefix_v, own_k, own_v = _qkv(torch.Generator().manual_seed(6), b, h, kv, width, own, p, d)
+    query_pos = torch.arange(own - width, own)[:, None]
+    own_visible = (torch.arange(own)[None, :] <= query_pos).expand(b, width, own)
+    out, _ = shared_prefix_attention(torch.nn.Module(), q, SharedKV(prefix_k, own_k), SharedKV(prefix_v, own_v), None)
+    want = _reference_attention(q, prefix_k, prefix_v, own_k, own_v, own_visible, d**-0.5)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scaling", [None, 0.3], ids=["default-scale", "model-scale"])
+def test_packed_shared_prefix_attention_equals_each_rows_own_attention(scaling):
+    """Rows laid end to end (one sequence of N tokens): each row sees the whole prefix and its own
+    tokens causally, never another row's, with grouped-query heads and the model's ``scaling``."""
+    from prefixcache.cache.attention import Packing, SharedKV, shared_prefix_attention
+
+    h, kv, p, d = (SHAPES[k] for k in ("heads", "kv_heads", "prefix", "head_dim"))
+    lengths = [3, 1, 4]
+    packing = Packing.of(lengths, torch.device("cpu"))
+    n = sum(lengths)
+    q, prefix_k, prefix_v, own_k, own_v = _qkv(torch.Generator().manual_seed(7), 1, h, kv, n, n, p, d)
+    out, _ = shared_prefix_attention(
+        torch.nn.Module(), q, SharedKV(prefix_k, own_k, packing), SharedKV(prefix_v, own_v, packing), None,
+        scaling=scaling,
+    )
+    assert out.shape == (1, n, h, d)
+    scale = d**-0.5 if scaling is None else scaling
+    start = 0
+    for length in lengths:
+        rows = slice(start, start + length)
+        causal = torch.ones(length, length, dtype=torch.bool).tril()[None]
+        want = _reference_attention(
+            q[:, :, rows], prefix_k, prefix_v, own_k[:, :, rows], own_v[:, :, rows], causal, scale
+        )
+        torch.testing.assert_close(out[:, rows].double(), want, atol=1e-5, rtol=1e-5, msg=lambda m: f"row {rows}: {m}")
+        start += length
+
+
+@pytest.mark.parametrize("feature", ["softcap", "s_aux", "sliding_window"])
+def test_each_attention_feature_it_cannot_share_is_refused(feature):
+    from prefixcache.cache.attention import SharedKV, shared_prefix_attention
+
+    q = torch.zeros(1, 2, 1, 4)
+    kv = SharedKV(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 1, 4))
+    with pytest.raises(NotImplementedError, match=feature):
+        shared_prefix_attention(torch.nn.Module(), q, kv, kv, None, **{feature: 1})
+    with pytest.raises(NotImplementedError, match="s_aux, softcap"):  # every one named, sorted
+        shared_prefix_attention(torch.nn.Module(), q, kv, kv, None, softcap=30.0, s_aux=torch.zeros(2))
