@@ -9,10 +9,10 @@ Two heads (:class:`~prefixcache.engine.head.FittedHead`):
   ``|W|^2 / (2 C n)``, the bias and ``s`` unpenalized) with ``torch.optim.LBFGS``.
 
 Either way ``C`` is chosen from :data:`C_GRID` by stratified k-fold cross-validation (the accuracy of
-each ``C``'s out-of-fold predictions over the same folds, as ``cross_val_predict`` gives them); those
-cross-validated predictions of the chosen ``C`` are the figures reported (they select ``C`` too, so they lean a little optimistic). The
+each ``C``'s out-of-fold predictions over the same folds, as ``cross_val_predict`` gives them, each fit
+stopped at :data:`SEARCH_TOLERANCE`); those cross-validated predictions of the chosen ``C`` are the figures reported (they select ``C`` too, so they lean a little optimistic). The
 folds are capped at the smallest label's row count (at least 2). The head is then refitted on every
-row, and the standardization folded into its weights.
+row (to :data:`TOLERANCE`), and the standardization folded into its weights.
 
 This module does not run models or print: features come from :mod:`prefixcache.run.features`.
 """
@@ -43,10 +43,13 @@ C_GRID = (0.001, 0.01, 0.1, 1.0, 10.0)  # inverse L2 strength, over standardized
 DEFAULT_C = 0.1  # used when some label has a single row, so no stratified fold can hold it out
 MAX_ITER = 500
 DTYPE = torch.float32  # the on-prompt fit's arithmetic: half float64's time per step, same optimum within tolerance
-# Both fits stop when no gradient entry exceeds this. scikit-learn's default is 1e-4; 1e-3 cut the
-# cross-validated fit on 1,000 NatCS-71 rows (71 labels) 3.5x (12.2 -> 3.5 CPU s, `last`; 16.9 -> 5.1 s,
-# `last+mean@22`) and moved each C's accuracy by at most 0.6 points (docs/accuracy.md, "Fit time").
-TOLERANCE = 1e-3
+# A fit stops when no gradient entry exceeds its tolerance. The head itself is fitted to scikit-learn's
+# default, 1e-4. The search for C only ranks the C values, and 1e-3 does that 3.5x faster: on 1,000
+# NatCS-71 rows (71 labels) the 25 cross-validation fits took 3.5 instead of 12.2 CPU s (`last`) and
+# 5.1 instead of 16.9 (`last+mean@22`), each C's accuracy within 0.6 points. The final fit stays at 1e-4:
+# at 1e-3 it cost 2-3 hand-written tickets of 75 (docs/accuracy.md, "Fit time").
+TOLERANCE = 1e-4
+SEARCH_TOLERANCE = 1e-3
 
 
 @contextmanager
@@ -70,8 +73,10 @@ class PromptOffsetLogisticRegression(ClassifierMixin, BaseEstimator):
     ``coef_ [L, F]`` and ``intercept_ [L]`` over standardized features, ``prompt_scale_``.
     """
 
-    def __init__(self, C: float = 1.0, n_labels: int = 2, max_iter: int = MAX_ITER, warm_start: bool = False):
+    def __init__(self, C: float = 1.0, n_labels: int = 2, max_iter: int = MAX_ITER, warm_start: bool = False,
+                 tol: float = TOLERANCE):
         self.C = C
+        self.tol = tol
         self.n_labels = n_labels
         self.max_iter = max_iter
         self.warm_start = warm_start
@@ -85,7 +90,7 @@ class PromptOffsetLogisticRegression(ClassifierMixin, BaseEstimator):
         with torch.inference_mode(False), torch.enable_grad():
             weight, bias, scale = self._start(width)
             optimizer = torch.optim.LBFGS(
-                [weight, bias, scale], max_iter=self.max_iter, tolerance_grad=TOLERANCE, line_search_fn="strong_wolfe"
+                [weight, bias, scale], max_iter=self.max_iter, tolerance_grad=self.tol, line_search_fn="strong_wolfe"
             )
             penalty = 1.0 / (2.0 * self.C * len(target))
 
@@ -182,11 +187,11 @@ def gold_indices(feature_set: FeatureSet, gold_labels: Sequence[str] | Mapping) 
     return y
 
 
-def _estimator(on_prompt: bool, C: float, n_labels: int, seed: int):
+def _estimator(on_prompt: bool, C: float, n_labels: int, seed: int, tol: float = TOLERANCE):
     """A fresh estimator that warm-starts: refitted with a larger ``C``, it starts from its last solution."""
     if on_prompt:
-        return PromptOffsetLogisticRegression(C=C, n_labels=n_labels, warm_start=True)
-    lr = LogisticRegression(C=C, max_iter=MAX_ITER, tol=TOLERANCE, random_state=seed, warm_start=True)
+        return PromptOffsetLogisticRegression(C=C, n_labels=n_labels, warm_start=True, tol=tol)
+    lr = LogisticRegression(C=C, max_iter=MAX_ITER, tol=tol, random_state=seed, warm_start=True)
     return Pipeline([("scale", StandardScaler()), ("lr", lr)])
 
 
@@ -227,7 +232,7 @@ def choose_C(x: np.ndarray, y: np.ndarray, on_prompt: bool, n_labels: int, folds
 def _fold_path(x, y, train, test, on_prompt: bool, n_labels: int, seed: int) -> dict[float, np.ndarray]:
     """One fold's regularization path: C -> predictions on ``test``, the grid fitted in ascending order, each fit
     warm-started from the one before."""
-    estimator, path = _estimator(on_prompt, C_GRID[0], n_labels, seed), {}
+    estimator, path = _estimator(on_prompt, C_GRID[0], n_labels, seed, SEARCH_TOLERANCE), {}
     for C in sorted(C_GRID):
         path[C] = _with_C(estimator, C).fit(x[train], y[train]).predict(x[test])
     return path
