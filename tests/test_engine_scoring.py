@@ -104,3 +104,21 @@ def test_a_single_label_has_infinite_margin():
     assert s.best == 0 and s.label == "only"
     assert s.margin == float("inf")
     assert s.probabilities == {"only": 1.0}
+
+
+def test_a_head_without_a_bias_attribute_scores_like_a_bias_free_linear():
+    """``get_output_embeddings()`` need not be an ``nn.Linear``: a module with only a ``weight`` (no ``bias``
+    attribute at all) is a head without bias, not an error."""
+    linear, head = make_head(False)
+
+    class WeightOnly(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = linear.lm_head.weight
+
+    bare = SimpleNamespace(get_output_embeddings=lambda: WeightOnly())
+    prompt = SimpleNamespace(label_ids=LABEL_IDS, first_token_ids=lambda: FIRST)
+    bare_head = LabelHead(bare, prompt, "first-token")
+    hidden = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(bare_head.first_token(hidden), head.first_token(hidden), atol=1e-6, rtol=0)
+    torch.testing.assert_close(bare_head.vocab_logprobs(hidden), head.vocab_logprobs(hidden), atol=1e-6, rtol=0)
