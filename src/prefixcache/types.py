@@ -48,7 +48,7 @@ TEXT_FIELD = "text"  # the record field holding its text
 LABEL_FIELD = "label"  # the field holding a row's gold label (eval, fit)
 DEFAULT_TASK = "support-tickets"  # the bundled classification task
 DEFAULT_EXTRACT_TASK = "ticket-fields"  # the bundled extraction task
-DEFAULT_FEATURE = "last+mean@3/4"  # what a fitted head reads (engine/features.py; chosen by measurement in docs/accuracy.md)
+DEFAULT_FEATURE = "last+mean@3/4"  # what a fitted head reads (engine/features.py; measured in docs/accuracy.md)
 DEFAULT_WORKERS = 2  # Ray workers of ``classify --ray``
 
 

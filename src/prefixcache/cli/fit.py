@@ -22,7 +22,10 @@ def fit(
     task: str = TaskOpt,
     label_field: str = LabelFieldOpt,
     out_path: Path = typer.Option(..., "--out", help="Where to write the head (.safetensors with its JSON manifest)."),
-    feature: str = typer.Option(DEFAULT_FEATURE, "--feature", help="Features: last, mean, last@K, mean@K, last@P/Q (a fraction of the depth), joined by + (docs/accuracy.md)."),
+    feature: str = typer.Option(
+        DEFAULT_FEATURE, "--feature",
+        help="Features: last, mean, last@K, mean@K, last@P/Q (a fraction of the depth), joined by + (docs/accuracy.md).",
+    ),
     on_prompt: bool = typer.Option(False, "--on-prompt", help="Fit a head that corrects the prompt's own label scores."),
     folds: int = typer.Option(5, "--folds", min=2, help="Stratified cross-validation folds (capped at the smallest label's rows)."),
     curve: Optional[str] = typer.Option(

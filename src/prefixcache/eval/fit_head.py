@@ -10,9 +10,10 @@ Two heads (:class:`~prefixcache.engine.head.FittedHead`):
 
 Either way ``C`` is chosen from :data:`C_GRID` by stratified k-fold cross-validation (the accuracy of
 each ``C``'s out-of-fold predictions over the same folds, as ``cross_val_predict`` gives them, each fit
-stopped at :data:`SEARCH_TOLERANCE`); those cross-validated predictions of the chosen ``C`` are the figures reported (they select ``C`` too, so they lean a little optimistic). The
-folds are capped at the smallest label's row count (at least 2). The head is then refitted on every
-row (to :data:`TOLERANCE`), and the standardization folded into its weights.
+stopped at :data:`SEARCH_TOLERANCE`); those cross-validated predictions of the chosen ``C`` are the
+figures reported (they select ``C`` too, so they lean a little optimistic). The folds are capped at the
+smallest label's row count (at least 2). The head is then refitted on every row (to :data:`TOLERANCE`),
+and the standardization folded into its weights.
 
 This module does not run models or print: features come from :mod:`prefixcache.run.features`.
 """

@@ -84,7 +84,9 @@ class FeatureCollector(BoundTask):
 
     stats_type = WindowStats
 
-    def __init__(self, loaded: LoadedModel, task: Task, feature: str | FeatureSpec = DEFAULT_FEATURE, pool: PrefixPool | None = None):
+    def __init__(
+        self, loaded: LoadedModel, task: Task, feature: str | FeatureSpec = DEFAULT_FEATURE, pool: PrefixPool | None = None
+    ):
         self.prompt: Prompt = build_prompt(task, loaded.tokenizer)
         super().__init__(loaded, task, pool)
         self.spec = (feature if isinstance(feature, FeatureSpec) else FeatureSpec.parse(feature)).resolve(loaded.model)
