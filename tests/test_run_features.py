@@ -80,6 +80,10 @@ def test_failed_records_are_kept_in_errors(tiny_llama, task):
     assert set(features.errors) == {"bad", "broken"}
     assert "text" in features.errors["bad"] and "bad JSON" in features.errors["broken"]
     assert features.features.shape[0] == 1
+    with pytest.raises(InputError, match=r"2 training row\(s\) cannot be run: 'bad': .*text.*'broken': .*bad JSON"):
+        features.require_complete("training row")
+    ok = collect_features(tiny_llama, task, records[:1])
+    assert ok.require_complete() is ok
 
 
 def test_too_long_records_are_errors_named_by_id(tiny_llama, task):

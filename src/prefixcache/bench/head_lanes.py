@@ -63,10 +63,7 @@ def fit_bench_head(loaded: LoadedModel, task: Task, records: list[Record], batch
     gold = gold_labels(records, task)
     log(f"fitting a head on the bench's {len(records)} records (for timing only: the bench then classifies "
         "the rows it was fitted on, so its labels say nothing about its accuracy) ...")
-    features = collect_features(loaded, task, records, batch_size=batch_size)
-    if features.errors:
-        record_id, message = next(iter(features.errors.items()))
-        raise InputError(f"{len(features.errors)} bench record(s) cannot run to fit a head: {record_id!r}: {message}")
+    features = collect_features(loaded, task, records, batch_size=batch_size).require_complete("bench record")
     result = fit_head(features, gold, folds=FIT_FOLDS)
     head = result.head
     head.manifest["task"] = task.name

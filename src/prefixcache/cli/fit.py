@@ -13,7 +13,6 @@ from .loading import load, progress
 from ..types import DEFAULT_FEATURE
 from .options import BatchOpt, DtypeOpt, IdFieldOpt, LabelFieldOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt
 
-MAX_NAMED = 5  # failed rows named in one message
 
 
 @boundary
@@ -69,16 +68,12 @@ def fit(
 
 def _features(loaded, task, records, feature: str, batch_size: int):
     """Every row's features, with a progress bar; refuses rows that cannot run, naming them."""
-    from ..errors import InputError
     from ..run.features import collect_features
 
     started = time.perf_counter()
     with progress(len(records), "features") as bar:
         features = collect_features(loaded, task, records, feature=feature, batch_size=batch_size, progress=bar.update)
-    if features.errors:
-        named = "; ".join(f"{key!r}: {message}" for key, message in list(features.errors.items())[:MAX_NAMED])
-        raise InputError(f"{len(features.errors)} training row(s) cannot be run: {named}")
-    return features, time.perf_counter() - started
+    return features.require_complete("training row"), time.perf_counter() - started
 
 
 def _fit(features, gold, folds: int, on_prompt: bool, seed: int, shots):

@@ -17,7 +17,6 @@ from typing import Callable, Sequence
 import numpy as np
 from sklearn.model_selection import train_test_split
 
-from ..errors import InputError
 from ..run.features import collect_features
 from ..types import DEFAULT_FEATURE
 from .fit_curve import subset
@@ -63,9 +62,7 @@ def fit_and_score(
         InputError: a record cannot be run (naming it), or a gold label outside the task's labels.
     """
     features = collect_features(loaded, task, records, feature=feature, batch_size=batch_size, progress=progress)
-    if features.errors:
-        key, message = next(iter(features.errors.items()))
-        raise InputError(f"{len(features.errors)} row(s) cannot be run, e.g. {key!r}: {message}")
+    features.require_complete()
     labels = np.array(gold)
     fitted, scored = train_test_split(np.arange(len(labels)), test_size=held_out, stratify=labels, random_state=seed)
     seen = {features.text_hashes[i] for i in fitted}

@@ -35,6 +35,7 @@ from ..types import DEFAULT_FEATURE, RunConfig
 from .loop import BoundTask, WindowStats, WorkItem
 
 RUN = RunConfig()  # the defaults feature collection shares with classification
+MAX_NAMED = 5  # records that did not run, named in one message
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,6 +67,16 @@ class FeatureSet:
     errors: dict = field(default_factory=dict)
     text_hashes: list = field(default_factory=list)
     dtype: str = ""
+
+    def require_complete(self, rows: str = "row") -> FeatureSet:
+        """This set, if every record ran; else an InputError naming the first :data:`MAX_NAMED` that did not.
+
+        ``rows`` names the records in the message (``"training row"``, ``"bench record"``).
+        """
+        if self.errors:
+            named = "; ".join(f"{key!r}: {message}" for key, message in list(self.errors.items())[:MAX_NAMED])
+            raise InputError(f"{len(self.errors)} {rows}(s) cannot be run: {named}")
+        return self
 
 
 @dataclass(frozen=True)
