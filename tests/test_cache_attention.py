@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.cache.attention import _attend_cpu_flash, _attend_eager
-from prefixcache.engine.forward import empty_prefix, forward_rows, last_hidden_packed, pad_rows
+from prefixcache.engine.rows import empty_prefix, forward_rows, last_hidden_packed, pad_rows
 from prefixcache.cache.kv import PrefixKV
 
 def random_rows(test):

@@ -59,7 +59,8 @@ def test_a_head_runs_no_label_pass_even_when_labels_share_first_tokens(tiny_llam
     gold = ["refund_request", "refund_status", "other", "other"]
     fitted = fit_head(features, gold, folds=2).head
     calls = []
-    monkeypatch.setattr(forward, "_continuations", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(forward, "score_whole_labels", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(forward, "score_per_label", lambda *a, **k: calls.append(1))
     monkeypatch.setattr("prefixcache.run.classify.score_rows", lambda *a, **k: calls.append(1))
     predictions = Classifier(tiny_llama, task, head=fitted).classify_all(records, RunConfig("batched", 4))
     assert not calls, "a fitted head must not run the prompt's label scoring"

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from ..model.load import load_model, load_random_model, resolve_device, resolve_dtype, set_threads
+from ..model.load import LoadedModel, load_model, load_random_model, resolve_device, resolve_dtype, set_threads
 from ..engine.head_file import load_head
 from ..errors import InputError, setting
 from ..run.classify import Classifier
@@ -18,19 +18,13 @@ from .extract_lanes import run_extract_bench
 from .head_lanes import FIT, bench_head, gold_labels, head_document, head_lanes, without_head
 from .lanes import BenchReport, Lane, classifier_lane, dtype_name, matmul_peak_gflops, run_lanes, same_dtype_copy, sweep_prefix
 from .options import BenchOptions
+from .label_lanes import run_label_bench
 from .peers import llama_cpp_lane
-from .workload import ticket_records
+from .workload import file_records, ticket_records
 
 
-def build_lanes(options: BenchOptions, records: list, log: Callable[[str], None]) -> tuple[list[Lane], dict, object]:
-    """Load the model(s) and make the lanes: full, cached, batched in float32, then with a head
-    (:mod:`.head_lanes`) full and batched through it in float32, then full and batched at the ``auto``
-    dtype when that differs, then llama.cpp when available.
-
-    Raises:
-        HeadMismatchError: the head was fitted for another model, prompt or label set.
-    """
-    task = load_task(options.task)
+def load_base(options: BenchOptions, log: Callable[[str], None]) -> tuple[LoadedModel, int, torch.dtype]:
+    """The float32 model every reference lane runs on, the thread count and the run dtype."""
     threads = set_threads(options.threads)
     run_dtype = resolve_dtype(options.dtype, resolve_device(None))
     if options.model_config:
@@ -38,6 +32,19 @@ def build_lanes(options: BenchOptions, records: list, log: Callable[[str], None]
     else:
         base = load_model(options.model, "float32", threads)
     log(f"model {base.identity}, {threads} threads, run dtype {dtype_name(run_dtype)}")
+    return base, threads, run_dtype
+
+
+def build_lanes(options: BenchOptions, records: list, log: Callable[[str], None], loaded) -> tuple[list[Lane], dict]:
+    """Make the lanes: full, cached, batched in float32, then with a head (:mod:`.head_lanes`) full and
+    batched through it in float32, then full and batched at the ``auto`` dtype when that differs, then
+    llama.cpp when available.
+
+    Raises:
+        HeadMismatchError: the head was fitted for another model, prompt or label set.
+    """
+    task = load_task(options.task)
+    base, threads, run_dtype = loaded
     reference = Classifier(base, without_head(task))
     lanes = [
         classifier_lane("full", reference, "full"),
@@ -60,7 +67,7 @@ def build_lanes(options: BenchOptions, records: list, log: Callable[[str], None]
     meta = {"dtype": dtype_name(run_dtype), "threads": threads, "prefix_tokens": len(reference.prompt.prefix_ids), "task": task.name, "model": base.identity}
     if head is not None:
         meta["head"] = head_document(head, options.head or str(task.head))
-    return lanes, meta, base
+    return lanes, meta
 
 
 def check_head_options(options: BenchOptions, records: list) -> None:
@@ -82,13 +89,19 @@ def check_head_options(options: BenchOptions, records: list) -> None:
 def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> tuple[BenchReport, dict]:
     """Run every lane on the workload and return the report plus the JSON document.
 
-    An extraction task (``kind: extract``) runs :func:`prefixcache.bench.extract_lanes.run_extract_bench` instead.
+    An extraction task (``kind: extract``) runs :func:`prefixcache.bench.extract_lanes.run_extract_bench` instead,
+    and a task whose labels share first tokens runs the many-label lanes (:mod:`.label_lanes`).
     """
-    records = ticket_records(options.items)
+    records = bench_records(options)
     check_head_options(options, records)
     if isinstance(load_any_task(options.task), ExtractTask):
         return run_extract_bench(options, log)
-    lanes, meta, base = build_lanes(options, records, log)
+    loaded = load_base(options, log)
+    base = loaded[0]
+    task = load_task(options.task)
+    if Classifier(base, without_head(task)).method == "full":
+        return run_many_labels(options, base, task, records, log)
+    lanes, meta = build_lanes(options, records, log, loaded)
     dtypes = sorted({lane.dtype for lane in lanes if lane.dtype in ("float32", "bfloat16", "float16")})
     peaks = {d: matmul_peak_gflops(getattr(torch, d), base.device) for d in dtypes}
     log("matmul peak: " + ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in peaks.items()))
@@ -115,3 +128,25 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> tupl
         )
         document["sweep"] = [asdict(p) | {"speedup": p.speedup} for p in points]
     return report, document
+
+
+def bench_records(options: BenchOptions) -> list:
+    """The synthetic tickets, or ``options.items`` records sampled from ``options.records``."""
+    if options.records is None:
+        return ticket_records(options.items)
+    return file_records(options.records, load_any_task(options.task), options.items, options.label_field)
+
+
+def run_many_labels(options: BenchOptions, base: LoadedModel, task, records: list, log: Callable[[str], None]):
+    """The many-label lanes (float32) and their document."""
+    peak = matmul_peak_gflops(torch.float32, base.device)
+    log(f"matmul peak: float32 {peak:.0f} GFLOP/s")
+    results, labels = run_label_bench(options, base, task, records, peak, log)
+    classifier = Classifier(base, without_head(task), "full")
+    document = {
+        "dtype": "float32", "threads": torch.get_num_threads(), "prefix_tokens": len(classifier.prompt.prefix_ids),
+        "task": task.name, "model": base.identity, "items": len(records), "peak_gflops": peak,
+        "peaks_gflops": {"float32": peak}, "labels": labels,
+        "modes": labels["subset_modes"] + labels["modes"],
+    }
+    return BenchReport(results, {"float32": peak}), document

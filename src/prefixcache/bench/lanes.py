@@ -25,6 +25,7 @@ from ..eval.verify import compare
 from ..model.load import LoadedModel
 from ..run.classify import Classifier, warmup
 from ..types import Mode, Prediction, Record, RunConfig, RunStats
+from .memory import PeakRSS
 from .workload import example_pool, grow_task
 
 
@@ -46,6 +47,8 @@ class ModeResult:
     near_ties: int = 0
     disagreements_outside_ties: int = 0
     reference: str = "full"  # the lane whose labels and log-probs agreement and drift are measured against
+    peak_rss_bytes: int = 0  # the process's highest resident memory while the lane ran
+    added_rss_bytes: int = 0  # that peak less the resident memory when the lane started
 
     @property
     def ms_per_item(self) -> float:
@@ -112,8 +115,11 @@ def nonembedding_params(model: torch.nn.Module) -> int:
 
 
 def head_gflop(classifier: Classifier) -> float:
-    """Output-head GFLOP per record actually done by the scoring method (a fitted head: its ``[F] x [F, L]``
-    product, plus the prompt's label rows for a head on the prompt)."""
+    """GFLOP per record of the scoring beyond the record's own tokens: a fitted head's ``[F] x [F, L]``
+    product (plus the prompt's label rows for a head on the prompt), first-token's label rows, or whole
+    labels' fed label tokens (the trie's inner nodes, or every label's tokens after its first one by
+    one) through the model's weights plus a full-vocabulary normalizer at each of them and at the
+    record's last token."""
     config = classifier.loaded.model.config.get_text_config(decoder=True)
     hidden, vocab = config.hidden_size, config.vocab_size
     labels = len(classifier.prompt.label_ids)
@@ -122,8 +128,11 @@ def head_gflop(classifier: Classifier) -> float:
         return 2 * (fitted.width + (hidden if fitted.on_prompt else 0)) * labels / 1e9
     if classifier.method == "first-token":
         return 2 * hidden * labels / 1e9
-    steps = 1 + sum(len(ids) - 1 for ids in classifier.prompt.label_ids.values())
-    return 2 * hidden * vocab * steps / 1e9
+    if classifier.head.label_pass == "trie":
+        fed = len(classifier.head.trie.whole)
+    else:
+        fed = sum(len(ids) - 1 for ids in classifier.prompt.label_ids.values())
+    return (2 * nonembedding_params(classifier.loaded.model) * fed + 2 * hidden * vocab * (1 + fed)) / 1e9
 
 
 def matmul_peak_gflops(
@@ -179,9 +188,10 @@ def run_lanes(
         if on_lane:
             on_lane(lane.name)
         lane.warm()
-        started = time.perf_counter()
-        predictions, stats = lane.run(records)
-        seconds = time.perf_counter() - started
+        with PeakRSS() as memory:
+            started = time.perf_counter()
+            predictions, stats = lane.run(records)
+            seconds = time.perf_counter() - started
         if not first_of:
             ref_seconds = seconds
         first_of.setdefault(lane.name, predictions)  # a name's first lane (the float32 one) is its reference
@@ -210,6 +220,8 @@ def run_lanes(
                 len(ties),
                 len(set(agreement.disagreeing_ids) - ties),
                 reference_name,
+                memory.bytes,
+                memory.bytes - memory.start_bytes,
             )
         )
     return BenchReport(results, peaks, outputs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model.catalog import DEFAULT_MODEL
+from ..types import LABEL_FIELD
 
 SWEEP_TARGETS = (150, 300, 600, 1000, 1500, 2000)  # prefix lengths (tokens) of ``bench --sweep-prefix``
 
@@ -37,3 +38,7 @@ class BenchOptions:
     sweep_full_items: int = 16
     sweep_items: int = 128
     head: str | None = None
+    records: str | None = None
+    label_field: str = LABEL_FIELD
+    full_items: int = 8
+    before_batch_size: int = 4

@@ -2,14 +2,19 @@
 
 * :func:`ticket_records` gives the published benchmark's records (synthetic
   support tickets of 20-35 tokens, 3 labels).
+* :func:`file_records` samples records from a file (a real taxonomy's data, say);
 * :func:`grow_task` lengthens a task's prefix by adding few-shot examples
   drawn from a pool that is disjoint from the evaluated records.
 """
 
 from __future__ import annotations
 
+import random
+
+from ..errors import InputError, setting
+from ..io.records import read_records
 from ..spec.prompt import build_prompt
-from ..types import Record
+from ..types import LABEL_FIELD, TEXT_FIELD, Record
 from ..spec.task import Example, Task
 from ..datasets.tickets import generate_tickets
 
@@ -19,6 +24,29 @@ EXAMPLE_POOL_SEED = 7  # the example pool's seed; evaluation records use seed 0
 def ticket_records(n: int = 600, seed: int = 0) -> list[Record]:
     """``n`` synthetic tickets as Records (id, text); ``n=600, seed=0`` is the bundled file."""
     return [Record(t["id"], {"text": t["text"], "label": t["label"]}) for t in generate_tickets(n, seed)]
+
+
+def file_records(path: str, task, items: int, label_field: str = LABEL_FIELD, seed: int = 0) -> list[Record]:
+    """``items`` records drawn (seeded, in file order) from the file at ``path``, none of whose texts is one of
+    ``task``'s examples (the prompt's rows are held out of what is measured); ``label_field`` becomes ``label``.
+
+    Raises:
+        InputError: the file cannot be read, or fewer than ``items`` rows are left.
+    """
+    examples = {example.text for example in getattr(task, "examples", [])}
+    rows = [r for r in read_records(path, TEXT_FIELD) if r.fields.get("text") not in examples]
+    if len(rows) < items:
+        raise InputError(f"{path} has {len(rows)} rows that are not examples of task {task.name!r}; "
+                         f"{setting('items', items)} asks for more")
+    chosen = sorted(random.Random(seed).sample(range(len(rows)), items))
+    return [_relabelled(rows[i], label_field) for i in chosen]
+
+
+def _relabelled(record: Record, label_field: str) -> Record:
+    fields = dict(record.fields)
+    if label_field in fields:
+        fields[LABEL_FIELD] = fields.pop(label_field)
+    return Record(record.id, fields)
 
 
 def example_pool(exclude_texts: set[str], n: int = 400) -> list[Example]:

@@ -52,18 +52,27 @@ class Packing:
     slots: torch.Tensor  # [N]: each packed token's place in the right-padded [B * T] layout
     offsets: torch.Tensor  # [N]: each packed token's position within its row
     last: torch.Tensor  # [B]: each row's last token in the packed sequence
-    causal: torch.Tensor  # [1, 1, T, T]: the own-token mask of every unpacked row (pads follow real tokens)
+    mask: torch.Tensor  # [B|1, 1, T, T]: which own tokens each unpacked row's token attends to
 
     @classmethod
-    def of(cls, lengths: Sequence[int], device) -> Packing:
+    def of(cls, lengths: Sequence[int], device, sees: torch.Tensor | None = None) -> Packing:
+        """Rows of ``lengths`` tokens, each token attending causally to its own row's tokens, or as
+        ``sees`` (``[B, 1, T, T]`` bool over the right-padded rows, T = the longest row) says.
+
+        A custom ``sees`` must keep every real token off its row's pads (they follow the last real
+        token) and give every token at least one visible key.
+        """
         if not lengths or min(lengths) < 1:
             raise ValueError(f"packed rows need at least one token each, got lengths {list(lengths)}")
         width = max(lengths)
         offsets = torch.cat([torch.arange(n, device=device) for n in lengths])  # [N]
         row = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
         ends = torch.tensor(lengths, device=device).cumsum(0) - 1
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None, None]
-        return cls(tuple(lengths), row * width + offsets, offsets, ends, causal)
+        if sees is None:
+            sees = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None, None]
+        elif sees.shape != (len(lengths), 1, width, width):
+            raise ValueError(f"sees must be [{len(lengths)}, 1, {width}, {width}], got {list(sees.shape)}")
+        return cls(tuple(lengths), row * width + offsets, offsets, ends, sees)
 
     @property
     def width(self) -> int:
@@ -116,7 +125,7 @@ def shared_prefix_attention(
         query: ``[B, heads, T, head_dim]``.
         key, value: a :class:`SharedKV`, or plain ``[B, kv_heads, K, head_dim]`` tensors (SDPA path).
         attention_mask: boolean ``[B, 1, T, P + S]`` (True = attend) or None (causal); not read for
-            packed rows, whose own part is causal per row by construction.
+            packed rows, whose own part follows the packing's mask (causal per row unless given).
     """
     if not isinstance(key, SharedKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -158,9 +167,9 @@ def _own_grouped(query, keys, values, mask, scale) -> tuple[torch.Tensor, torch.
 
 def _own_packed(query, keys, values, packing: Packing, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed rows ``[1, H, N, d]`` each against its own tokens ``[1, kv, N, d]``: unpacked to right-padded
-    rows, where a causal mask alone keeps every real query off the pads (they follow its row's last
-    token), then packed back. Returns ``([1, H, N, d], lse [1, H, N])``."""
-    out, lse = _own_grouped(packing.unpack(query), packing.unpack(keys), packing.unpack(values), packing.causal, scale)
+    rows, where the packing's mask (causal unless given) keeps every real query off the pads (they
+    follow its row's last token), then packed back. Returns ``([1, H, N, d], lse [1, H, N])``."""
+    out, lse = _own_grouped(packing.unpack(query), packing.unpack(keys), packing.unpack(values), packing.mask, scale)
     return packing.pack(out), packing.pack(lse[..., None])[..., 0]
 
 

@@ -22,7 +22,18 @@ BENCH = BenchOptions()
 @boundary
 def bench(
     task: str = typer.Option(BENCH.task, "--task", help="Task whose prefix is cached (default: ~145 tokens, 3 labels)."),
-    items: int = typer.Option(BENCH.items, "--items", min=1, help="Number of synthetic tickets (20-35 tokens each)."),
+    items: int = typer.Option(BENCH.items, "--items", min=1, help="Number of records (synthetic tickets of 20-35 tokens, or --records rows)."),
+    records: Optional[str] = typer.Option(
+        None, "--records", help="Sample --items records from this file (CSV/JSONL/Parquet with a text field) instead of "
+        "synthetic tickets; rows that are task examples are left out."
+    ),
+    label_field: str = typer.Option(BENCH.label_field, "--label-field", help="The --records field holding gold labels (for --head fit)."),
+    full_items: int = typer.Option(
+        BENCH.full_items, "--full-items", min=1, help="Labels that share first tokens: records for the full and per-label lanes."
+    ),
+    before_batch_size: int = typer.Option(
+        BENCH.before_batch_size, "--before-batch-size", min=1, help="Labels that share first tokens: the per-label lane's batch."
+    ),
     model: str = typer.Option(BENCH.model, "--model", help="Embedded name, .gguf path, HF id or local folder."),
     model_config: Optional[str] = typer.Option(None, "--model-config", help="Architecture for --random-weights: qwen2.5-0.5b."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Random weights of --model-config (speed only)."),
@@ -40,7 +51,8 @@ def bench(
     ),
 ):
     """Time full, cached, batched (and llama.cpp) on the same records in one run; report ratios and % of peak.
-    With a head, also full and batched through it (agreement measured against full+head)."""
+    With a head, also full and batched through it (agreement measured against full+head). With labels that
+    share first tokens: whole-label scoring through the label trie beside the per-label path and full."""
     from ..bench.job import run_bench
 
     if random_weights != bool(model_config):
@@ -50,7 +62,8 @@ def bench(
     options = BenchOptions(
         task=task, items=items, model=model, model_config=model_config, dtype=choice(dtype, DTYPE_CHOICES, "--dtype"),
         threads=threads, batch_size=batch_size, llama_cpp=not no_llama_cpp,
-        sweep_targets=SWEEP_TARGETS if sweep else (), head=head,
+        sweep_targets=SWEEP_TARGETS if sweep else (), head=head, records=records, label_field=label_field,
+        full_items=full_items, before_batch_size=before_batch_size,
     )
     quiet_transformers()
     report, document = run_bench(options, log=lambda line: err.print(line, highlight=False))

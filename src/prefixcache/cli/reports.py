@@ -17,7 +17,7 @@ def timing_table(results: list, title: str) -> Table:
     """One row per :class:`~prefixcache.bench.lanes.ModeResult`: time, ratios against ``full``, agreement with
     the lane's reference (``full``; a caption names any other, such as ``full+head`` for the head lanes)."""
     table = Table(title=title, caption=reference_caption(results))
-    for col in ("mode", "dtype", "B", "items", "s", "ms/item", "items/s", "x full", "agree", "max|Δlp|", "ties", "%peak"):
+    for col in ("mode", "dtype", "B", "items", "s", "ms/item", "items/s", "x full", "agree", "max|Δlp|", "ties", "%peak", "peak RSS"):
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(
@@ -33,6 +33,7 @@ def timing_table(results: list, title: str) -> Table:
             f"{r.max_abs_logprob_diff:.1e}",
             f"{r.near_ties}" + (f" ({r.disagreements_outside_ties} not)" if r.disagreements_outside_ties else ""),
             f"{r.pct_of_peak:.0f}%" if r.pct_of_peak is not None else "-",
+            format_bytes(r.peak_rss_bytes) if r.peak_rss_bytes else "-",
         )
     return table
 

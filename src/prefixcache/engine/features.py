@@ -3,7 +3,7 @@
 A feature spec is a string. Its parts, joined by ``+``, are concatenated in the order written:
 
 * ``last``: the final layer's state (after the final norm) at the row's last token, exactly what
-  :func:`~prefixcache.engine.forward.last_hidden_packed` returns and the prompt's label rows read;
+  :func:`~prefixcache.engine.rows.last_hidden_packed` returns and the prompt's label rows read;
 * ``mean``: the final layer's states averaged over the record's own tokens;
 * ``last@K`` / ``mean@K``: the same at decoder layer ``K``'s output, indexed as transformers'
   ``hidden_states``: ``0`` is the token embeddings, ``K`` the K-th decoder layer's output (1-based),
@@ -148,7 +148,7 @@ class RowStates:
 def packed_features(
     model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]], own_starts: Sequence[int], spec: FeatureSpec
 ) -> RowStates:
-    """Run ``rows`` after ``prefix`` laid end to end (as :func:`~prefixcache.engine.forward.last_hidden_packed`)
+    """Run ``rows`` after ``prefix`` laid end to end (as :func:`~prefixcache.engine.rows.last_hidden_packed`)
     and pool each row's states as ``spec`` says.
 
     Args:

@@ -26,7 +26,7 @@ from typing import Literal, Sequence
 
 import torch
 
-from .forward import forward_rows, pad_rows
+from .rows import forward_rows, pad_rows
 from ..cache.kv import PrefixKV
 
 Finish = Literal["eos", "stop", "length"]

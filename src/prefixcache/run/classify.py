@@ -57,6 +57,8 @@ class Classifier(BoundTask):
     With a ``pool`` (:class:`~prefixcache.cache.pool.PrefixPool`) the prefix is taken from
     the pool once per :meth:`classify` call instead of being kept by the classifier,
     so the pool's budget and evictions govern its memory; the task's ``pin`` is honoured.
+    ``label_pass`` is how ``full`` scoring feeds label tokens (see :class:`~prefixcache.engine.scoring.LabelHead`):
+    the trie, or ``"per-label"``, the reference that ``bench`` times beside it.
     """
 
     stats_type = RunStats
@@ -68,12 +70,13 @@ class Classifier(BoundTask):
         method: str = "auto",
         pool: PrefixPool | None = None,
         head: FittedHead | str | Path | None = None,
+        label_pass: str = "trie",
     ):
         self.prompt: Prompt = build_prompt(task, loaded.tokenizer)
         super().__init__(loaded, task, pool)
         self.fitted_head = head_for(task, head)
         self.method = self._resolve_method(method)
-        self.head = LabelHead(loaded.model, self.prompt, "first-token" if self.fitted_head else self.method)
+        self.head = LabelHead(loaded.model, self.prompt, "first-token" if self.fitted_head else self.method, label_pass)
         overhang = label_overhang(self.prompt, self.method)
         self.fit = ContextFit(self.prompt, loaded.tokenizer, context_limit(loaded.model), overhang)
 

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from ..cache.kv import PrefixKV
 from ..cache.pool import Lookup, PrefixPool
-from ..engine.forward import empty_prefix
+from ..engine.rows import empty_prefix
 from ..errors import InputError
 from ..model.load import LoadedModel
 from ..spec.prompt import Encoded

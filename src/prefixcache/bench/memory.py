@@ -1,0 +1,41 @@
+"""Peak resident memory of one stretch of work, sampled by psutil from a background thread.
+
+The kernel's own high-water mark (``ru_maxrss``) only ever grows, so it cannot tell one bench lane
+from the one before. :class:`PeakRSS` samples this process's resident set every few milliseconds
+while its block runs, which sees any peak that lasts longer than the interval (a forward pass's
+activations do; torch releases the GIL while it computes).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import psutil
+
+INTERVAL_S = 0.005
+
+
+class PeakRSS:
+    """``with PeakRSS() as peak: ...``, then ``peak.bytes`` (highest RSS seen) and ``peak.start_bytes``."""
+
+    def __init__(self, interval_s: float = INTERVAL_S):
+        self._process = psutil.Process()
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="peak-rss", daemon=True)
+        self.start_bytes = 0
+        self.bytes = 0
+
+    def __enter__(self) -> PeakRSS:
+        self.start_bytes = self.bytes = self._process.memory_info().rss
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.bytes = max(self.bytes, self._process.memory_info().rss)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.bytes = max(self.bytes, self._process.memory_info().rss)

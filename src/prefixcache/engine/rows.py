@@ -1,0 +1,86 @@
+"""Engine: the forward passes of token rows over a shared prefix, and nothing about labels.
+
+* :func:`forward_rows` appends right-padded rows to a fork (each row may continue later);
+* :func:`last_hidden_packed` runs rows laid end to end in one pass (no pads computed) and returns
+  each row's last hidden state;
+* :func:`empty_prefix` is the zero-length prefix under which a row is the whole prompt.
+
+Rows never see each other, and every row sees the whole prefix (the fork's contract).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..cache.attention import Packing, use_shared_prefix_attention
+from ..cache.kv import ForkedCache, PrefixKV
+
+
+def empty_prefix(model: torch.nn.Module) -> PrefixKV:
+    """A zero-length prefix: forking it and feeding whole prompts is full re-encoding."""
+    cfg = model.config.get_text_config(decoder=True)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    param = next(model.parameters())
+    empty = torch.zeros(1, cfg.num_key_value_heads, 0, head_dim, dtype=param.dtype, device=param.device)
+    layers = cfg.num_hidden_layers
+    return PrefixKV((), (empty,) * layers, (empty,) * layers)
+
+
+def pad_rows(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad token rows.
+
+    Returns ``ids [B, S]`` (pads are token 0), ``mask [B, S]`` (True on real tokens) and ``lengths [B]``.
+    """
+    lengths = torch.tensor([len(r) for r in rows], device=device)
+    width = int(lengths.max())
+    ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long, device=device)
+    mask = torch.arange(width, device=device)[None, :] < lengths[:, None]
+    return ids, mask, lengths
+
+
+def forward_rows(
+    model: torch.nn.Module,
+    cache: ForkedCache,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    start: torch.Tensor,
+    past_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Append ``ids`` to every row of ``cache`` and return the decoder's hidden states.
+
+    Args:
+        ids: ``[B, T]`` new tokens, right-padded; ``mask`` ``[B, T]`` marks real ones.
+        start: ``[B]`` position (RoPE index) of each row's first new token.
+        past_mask: ``[B, K]`` which of the cache's K = prefix + own tokens each row may attend to.
+
+    Returns:
+        hidden ``[B, T, H]``. Rows never see each other; pads are never attended to by real tokens.
+    """
+    use_shared_prefix_attention(model)
+    width = ids.shape[1]
+    positions = start[:, None] + torch.arange(width, device=ids.device)[None, :]  # [B, T]
+    attention = torch.cat([past_mask, mask], dim=1)  # [B, K + T]
+    out = model.base_model(input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True)
+    return out.last_hidden_state
+
+
+@torch.inference_mode()
+def last_hidden_packed(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Run ``rows`` after ``prefix`` laid end to end as one sequence (no padding); return each row's
+    hidden state at its last token, ``[B, H]``.
+
+    Same contract as :func:`forward_rows` (rows never see each other, every row sees the whole
+    prefix), but the linear layers compute only real tokens: with rows of unequal length that is
+    the padding's share of the work saved. The fork is used for this one pass.
+    """
+    use_shared_prefix_attention(model)
+    device = prefix.keys[0].device
+    packing = Packing.of([len(r) for r in rows], device)
+    ids = torch.tensor([token for row in rows for token in row], dtype=torch.long, device=device)[None]  # [1, N]
+    positions = (prefix.length + packing.offsets)[None]  # [1, N]: each row counts on from the prefix
+    out = model.base_model(input_ids=ids, position_ids=positions, cache=prefix.fork(1, packing), use_cache=True)
+    return out.last_hidden_state[0, packing.last]  # [B, H]
