@@ -52,27 +52,16 @@ class Packing:
     slots: torch.Tensor  # [N]: each packed token's place in the right-padded [B * T] layout
     offsets: torch.Tensor  # [N]: each packed token's position within its row
     last: torch.Tensor  # [B]: each row's last token in the packed sequence
-    mask: torch.Tensor  # [B|1, 1, T, T]: which own tokens each unpacked row's token attends to
 
     @classmethod
-    def of(cls, lengths: Sequence[int], device, sees: torch.Tensor | None = None) -> Packing:
-        """Rows of ``lengths`` tokens, each token attending causally to its own row's tokens, or as
-        ``sees`` (``[B, 1, T, T]`` bool over the right-padded rows, T = the longest row) says.
-
-        A custom ``sees`` must keep every real token off its row's pads (they follow the last real
-        token) and give every token at least one visible key.
-        """
+    def of(cls, lengths: Sequence[int], device) -> Packing:
         if not lengths or min(lengths) < 1:
             raise ValueError(f"packed rows need at least one token each, got lengths {list(lengths)}")
         width = max(lengths)
         offsets = torch.cat([torch.arange(n, device=device) for n in lengths])  # [N]
         row = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
         ends = torch.tensor(lengths, device=device).cumsum(0) - 1
-        if sees is None:
-            sees = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None, None]
-        elif sees.shape != (len(lengths), 1, width, width):
-            raise ValueError(f"sees must be [{len(lengths)}, 1, {width}, {width}], got {list(sees.shape)}")
-        return cls(tuple(lengths), row * width + offsets, offsets, ends, sees)
+        return cls(tuple(lengths), row * width + offsets, offsets, ends)
 
     @property
     def width(self) -> int:
@@ -125,7 +114,7 @@ def shared_prefix_attention(
         query: ``[B, heads, T, head_dim]``.
         key, value: a :class:`SharedKV`, or plain ``[B, kv_heads, K, head_dim]`` tensors (SDPA path).
         attention_mask: boolean ``[B, 1, T, P + S]`` (True = attend) or None (causal); not read for
-            packed rows, whose own part follows the packing's mask (causal per row unless given).
+            packed rows, whose own part is causal per row by construction.
     """
     if not isinstance(key, SharedKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -141,7 +130,7 @@ def shared_prefix_attention(
     if key.packing is not None:
         out, lse = _own_packed(query, key.own, value.own, key.packing, scale)  # [1, H, N, d], [1, H, N]
     else:
-        own_mask = _own_mask(attention_mask, prefix_len, width, own_len, query.device)  # [B|1, 1, T, S]
+        own_mask = _own_mask(attention_mask, prefix_len, width, own_len, query.device)  # [B|1, 1, T, S] or None: causal
         out, lse = _own_grouped(query, key.own, value.own, own_mask, scale)  # [B, H, T, d], [B, H, T]
     if prefix_len:
         folded = query.view(batch, kv_heads, groups, width, head_dim).transpose(0, 1)  # [kv, B, g, T, d]
@@ -155,11 +144,17 @@ def shared_prefix_attention(
 
 def _own_grouped(query, keys, values, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row against its own keys ``[B, kv, S, d]`` under ``mask`` ``[B|1, 1, T, S]``; the heads of a kv
-    group are folded into one query sequence, so keys are never copied per head.
-    Returns ``([B, H, T, d], lse [B, H, T])``."""
+    group are folded into one query sequence, so keys are never copied per head. ``mask`` None means
+    causal with T == S: then each head of a group is its own causal call, which lets the kernel skip
+    the masked half instead of reading a mask. Returns ``([B, H, T, d], lse [B, H, T])``."""
     batch, heads, width, head_dim = query.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
+    if mask is None:
+        parts = [_attend(q, keys, values, None, scale, causal=True) for q in query.view(batch, kv_heads, groups, width, head_dim).unbind(2)]
+        out = torch.stack([part_out for part_out, _ in parts], dim=2)  # [B, kv, g, T, d]
+        lse = torch.stack([part_lse for _, part_lse in parts], dim=2)  # [B, kv, g, T]
+        return out.view(query.shape), lse.reshape(batch, heads, width)
     grouped = query.reshape(batch, kv_heads, groups * width, head_dim)  # [B, kv, g*T, d]
     out, lse = _attend(grouped, keys, values, mask.repeat(1, 1, groups, 1), scale)
     return out.view(query.shape), lse.reshape(batch, heads, width)
@@ -167,35 +162,43 @@ def _own_grouped(query, keys, values, mask, scale) -> tuple[torch.Tensor, torch.
 
 def _own_packed(query, keys, values, packing: Packing, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed rows ``[1, H, N, d]`` each against its own tokens ``[1, kv, N, d]``: unpacked to right-padded
-    rows, where the packing's mask (causal unless given) keeps every real query off the pads (they
-    follow its row's last token), then packed back. Returns ``([1, H, N, d], lse [1, H, N])``."""
-    out, lse = _own_grouped(packing.unpack(query), packing.unpack(keys), packing.unpack(values), packing.mask, scale)
+    rows, where causality alone keeps every real query off the pads (they follow its row's last
+    token), then packed back. Returns ``([1, H, N, d], lse [1, H, N])``."""
+    out, lse = _own_grouped(packing.unpack(query), packing.unpack(keys), packing.unpack(values), None, scale)
     return packing.pack(out), packing.pack(lse[..., None])[..., 0]
 
 
-def _own_mask(mask: torch.Tensor | None, prefix_len: int, width: int, own_len: int, device) -> torch.Tensor:
-    """The own-token columns of the model's mask, or a causal mask aligned to the last query. ``[B|1, 1, T, S]``."""
+def _own_mask(mask: torch.Tensor | None, prefix_len: int, width: int, own_len: int, device) -> torch.Tensor | None:
+    """The own-token columns of the model's mask, or a causal mask aligned to the last query. ``[B|1, 1, T, S]``;
+    None for causal when the queries are all the own tokens (T == S)."""
     if mask is not None:
         if mask.dtype != torch.bool:
             raise TypeError("prefixcache attention expects a boolean mask (sdpa format)")
         return mask[..., prefix_len:]
+    if width == own_len:
+        return None
     query_pos = torch.arange(own_len - width, own_len, device=device)[:, None]  # [T, 1]
     return (torch.arange(own_len, device=device)[None, :] <= query_pos)[None, None]
 
 
-def _attend(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention returning ``(out [.., L, d], lse [.., L] float32)``; rows with no visible key get lse -inf."""
+def _attend(q, k, v, mask, scale, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention returning ``(out [.., L, d], lse [.., L] float32)``; rows with no visible key get lse -inf.
+    ``causal``: query ``i`` sees keys ``0..i`` (``mask`` must be None)."""
+    if causal:
+        mask = None
     if q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        return _attend_cpu_flash(q, k, v, mask, scale)
+        return _attend_cpu_flash(q, k, v, mask, scale, causal)
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     return _attend_eager(q, k, v, mask, scale)
 
 
-def _attend_cpu_flash(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_cpu_flash(q, k, v, mask, scale, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """torch's fused CPU kernel, which also returns the log-sum-exp (it needs an additive mask in q's dtype)."""
     additive = None
     if mask is not None:
         additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=additive, scale=scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=additive, scale=scale)
     if mask is not None:  # the kernel reports lse 0 for a row with no visible key
         lse = lse.masked_fill(~mask.any(-1).expand(lse.shape), float("-inf"))
     return out, lse

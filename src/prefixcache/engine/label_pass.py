@@ -1,10 +1,11 @@
-"""Whole-label scoring in one pass per record: the record's tokens, then the label trie's fed nodes.
+"""Whole-label scoring through the labels' trie: each record's tokens once, then every fed node once.
 
-Each record's row is laid out as its own tokens followed by the fed nodes of the labels' trie
-(:class:`~prefixcache.engine.label_trie.LabelTrie`), and rows are packed end to end, so:
+A batch of records runs as one fork of the prefix, in two passes: the records' own tokens (right-
+padded, causal), then the fed nodes of the labels' trie (:class:`~prefixcache.engine.label_trie.LabelTrie`)
+for every record at once. So:
 
-* the record's tokens are computed once and shared by all its labels (never copied per label),
-  and every token reads the prefix through the same shared-prefix attention as any packed pass;
+* the record's tokens are computed once and stay shared by all its labels (never copied per
+  label), and every token reads the prefix through the same shared-prefix attention as any pass;
 * a fed node attends to the prefix, its record's tokens and its own ancestors only (a tree mask),
   at the position it would have as the label's next token, so its hidden state is exactly the one
   a label-by-label continuation would compute;
@@ -22,9 +23,9 @@ from typing import Sequence
 
 import torch
 
-from ..cache.attention import Packing, use_shared_prefix_attention
 from ..cache.kv import PrefixKV
 from .label_trie import TriePart
+from .rows import forward_rows, forward_visible, pad_rows
 from .scoring import LabelHead
 
 TOKEN_BUDGET = 4096  # packed tokens (records + fed nodes) per forward pass
@@ -63,43 +64,23 @@ def _groups(lengths: Sequence[int], fed: int, token_budget: int) -> list[list[in
 
 
 def _part_hidden(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]], part: TriePart) -> torch.Tensor:
-    """Hidden states ``[B, 1 + N, H]``: each row's last token, then each of ``part``'s N fed nodes after it."""
-    use_shared_prefix_attention(model)
+    """Hidden states ``[B, 1 + N, H]``: each row's last token, then each of ``part``'s N fed nodes after it.
+
+    Two passes over one fork: the rows (right-padded, causal), then the fed nodes of every row at
+    once, each attending to the prefix, its row's tokens and its own ancestors (``part.sees``).
+    """
     device = prefix.keys[0].device
-    fed = len(part)
-    own = torch.tensor([len(r) for r in rows], device=device)  # [B]
-    layout = _RowLayout(own, fed, device)
-    packing = Packing.of([len(r) + fed for r in rows], device, layout.tree_mask(part.sees(device)))
-    ids = torch.tensor([t for row in rows for t in (*row, *part.tokens)], dtype=torch.long, device=device)[None]  # [1, N]
-    positions = layout.steps(torch.tensor(part.depths, device=device)).reshape(-1)[packing.slots]  # [N]
-    cache = prefix.fork(1, packing)
-    out = model.base_model(input_ids=ids, position_ids=(prefix.length + positions)[None], cache=cache, use_cache=True)
-    starts = packing.last - (own + fed - 1)  # [B]: each row's first packed token
-    picks = (starts + own - 1)[:, None] + torch.arange(fed + 1, device=device)[None, :]  # [B, 1 + N]
-    return out.last_hidden_state[0, picks]
-
-
-class _RowLayout:
-    """Right-padded rows of ``own[b]`` record tokens followed by ``fed`` trie nodes: ``[B, T]``."""
-
-    def __init__(self, own: torch.Tensor, fed: int, device):
-        self.own, self.fed = own, fed  # [B], n
-        self.columns = torch.arange(int(own.max()) + fed, device=device)  # [T]
-        node = self.columns[None, :] - own[:, None]  # [B, T]: index among the fed nodes, when in range
-        self.is_node = (node >= 0) & (node < fed)  # [B, T]
-        self.slot = torch.where(self.is_node, node, fed)  # [B, T]: n is a spare slot for everything else
-
-    def steps(self, depths: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` each token's step after the prefix: a record token its own index, a fed node
-        the step its label's token would have (the record's length - 1 + its depth)."""
-        depth = torch.cat([depths, depths.new_zeros(1)])[self.slot]  # [B, T]
-        return torch.where(self.is_node, self.own[:, None] - 1 + depth, self.columns[None, :])
-
-    def tree_mask(self, sees: torch.Tensor) -> torch.Tensor:
-        """``[B, 1, T, T]`` bool: record tokens (and pads) attend causally; a fed node attends to its
-        row's record tokens and to the nodes ``sees`` (``[n, n]``) names: itself and its ancestors."""
-        sees = torch.nn.functional.pad(sees, (0, 1, 0, 1))  # [n + 1, n + 1]: the spare slot sees nothing
-        record = self.columns[None, None, :] < self.own[:, None, None]  # [B, 1, T]
-        tree = sees[self.slot[:, :, None], self.slot[:, None, :]] | record  # [B, T, T]
-        causal = self.columns[None, :, None] >= self.columns[None, None, :]  # [1, T, T]
-        return torch.where(self.is_node[:, :, None], tree, causal)[:, None]
+    ids, mask, lengths = pad_rows(rows, device)  # [B, S], [B, S], [B]
+    batch, fed = len(rows), len(part)
+    cache = prefix.fork(batch)
+    past = torch.ones(batch, prefix.length, dtype=torch.bool, device=device)  # [B, P]
+    hidden = forward_rows(model, cache, ids, mask, torch.full((batch,), prefix.length, device=device), past)  # [B, S, H]
+    last = hidden[torch.arange(batch, device=device), lengths - 1][:, None]  # [B, 1, H]
+    if not fed:
+        return last
+    seen = torch.cat([past, mask], dim=1)[:, None, None, :].expand(batch, 1, fed, -1)  # [B, 1, N, P + S]
+    tree = part.sees(device)[None, None].expand(batch, 1, fed, fed)  # [B, 1, N, N]
+    depths = torch.tensor(part.depths, device=device)  # [N]
+    positions = (prefix.length + lengths - 1)[:, None] + depths[None, :]  # [B, N]: the label token's own position
+    nodes = torch.tensor(part.tokens, dtype=torch.long, device=device).expand(batch, fed)  # [B, N]
+    return torch.cat([last, forward_visible(model, cache, nodes, positions, torch.cat([seen, tree], dim=-1))], dim=1)

@@ -1,6 +1,7 @@
 """Engine: the forward passes of token rows over a shared prefix, and nothing about labels.
 
-* :func:`forward_rows` appends right-padded rows to a fork (each row may continue later);
+* :func:`forward_rows` appends right-padded rows to a fork (each row may continue later), causally;
+  :func:`forward_visible` appends tokens that attend as a given mask says (a tree of label tokens);
 * :func:`last_hidden_packed` runs rows laid end to end in one pass (no pads computed) and returns
   each row's last hidden state;
 * :func:`empty_prefix` is the zero-length prefix under which a row is the whole prompt.
@@ -65,6 +66,24 @@ def forward_rows(
     positions = start[:, None] + torch.arange(width, device=ids.device)[None, :]  # [B, T]
     attention = torch.cat([past_mask, mask], dim=1)  # [B, K + T]
     out = model.base_model(input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True)
+    return out.last_hidden_state
+
+
+def forward_visible(
+    model: torch.nn.Module, cache: ForkedCache, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
+) -> torch.Tensor:
+    """Append ``ids`` ``[B, T]`` to every row of ``cache``, each new token attending as ``visible`` says.
+
+    Args:
+        positions: ``[B, T]`` each new token's position (RoPE index).
+        visible: ``[B, 1, T, K + T]`` bool over the cache's K = prefix + own tokens, then the new ones;
+            its prefix columns must be all true (the fork's contract).
+
+    Returns:
+        hidden ``[B, T, H]``.
+    """
+    use_shared_prefix_attention(model)
+    out = model.base_model(input_ids=ids, attention_mask=visible, position_ids=positions, cache=cache, use_cache=True)
     return out.last_hidden_state
 
 
