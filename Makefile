@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install browser demo test test-fast mutants clean
+.PHONY: install browser demo test test-fast mutants bench-labels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,13 @@ mutants: install
 	$(BIN)/pip install -q 'mutmut>=3.2'
 	$(BIN)/mutmut run --max-children $(MUTANT_JOBS) $(MUTANTS)
 	$(BIN)/python scripts/mutation_report.py --survivors
+
+# Many labels (issue 16): the 77 banking77 intents (one example each, a ~4,100-token prefix) on records of
+# ../shared/datasets/banking77_train.csv; whole-label lanes through the label trie, before and after, and a head.
+BANKING77 ?= ../shared/datasets/banking77_train.csv
+bench-labels: install
+	$(BIN)/prefixcache bench --task docs/tasks/banking77.yaml --records $(BANKING77) --label-field category \
+	  --items 120 --full-items 8 --head fit --json docs/bench/banking77.json --plot docs/img/bench-banking77.png
 
 clean:
 	rm -rf $(VENV) prefixcache-out .pytest_cache .hypothesis mutants

@@ -71,6 +71,10 @@ BAD = {
     ("bench", "--plot"): (f"{NOWHERE}/bench.png", "is not a folder", 2),
     ("bench", "--sweep-plot"): (f"{NOWHERE}/sweep.png", "is not a folder", 2),
     ("bench", "--head"): ("/nonexistent-folder/head.safetensors", "does not exist", 2),  # or `fit`: fits one
+    ("bench", "--records"): ("/nonexistent-folder/rows.csv", "no such input file", 2),
+    ("bench", "--label-field"): None,  # any name: it matters only to --head fit, which names a record without a gold label
+    ("bench", "--full-items"): ("0", "--full-items", 2),
+    ("bench", "--before-batch-size"): ("0", "--before-batch-size", 2),
     **{("serve", option): ANY[option] for option in ("--task", "--model", "--dtype", "--threads", "--method", "--cache-budget")},
     ("serve", "--host"): ("256.256.256.256", "cannot listen on 256.256.256.256", 2),
     ("serve", "--port"): ("70000", "--port", 2),

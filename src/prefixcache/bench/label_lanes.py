@@ -6,7 +6,8 @@ First-token scoring cannot tell such labels apart, so every lane scores whole la
   the reference), ``batched/per-label`` (one continuation row per record and label, as before the
   trie, at a small batch so that it fits in memory) and ``batched`` (the label trie);
 * on every record: ``batched`` again, and ``batched+head`` when a fitted head is given (the cheap
-  route for many labels when labelled rows exist).
+  route for many labels when labelled rows exist); their agreement is against that ``batched``
+  lane, their speed-up against ``full`` per record.
 
 Each lane reports its peak resident memory, and the job reports the label trie's arithmetic floor
 per record (:func:`trie_floor`), so every lane's time can be read against what the arithmetic allows.
@@ -14,7 +15,7 @@ per record (:func:`trie_floor`), so every lane's time can be read against what t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 from ..engine.label_trie import LabelTrie
@@ -114,6 +115,8 @@ def run_label_bench(
         f"then batched (and batched+head) on {len(records)}")
     first = run_lanes(subset_lanes, subset, peaks, on_lane=lambda name: log(f"running {name} on {len(subset)} items ..."))
     second = run_lanes(every_lanes, records, peaks, on_lane=lambda name: log(f"running {name} on {len(records)} items ..."))
+    full_ms = first.results[0].ms_per_item
+    second.results[:] = [replace(r, speedup_vs_full=full_ms / r.ms_per_item) for r in second.results]  # against full, too
     tokenizer = loaded.tokenizer
     own = [len(tokenizer(str(r.fields.get("text", "")), add_special_tokens=False)["input_ids"]) for r in records]
     floor = trie_floor(Classifier(loaded, without_head(task), "full"), sum(own) / len(own), peak_gflops)

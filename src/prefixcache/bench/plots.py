@@ -24,10 +24,12 @@ def lane_color(mode: str) -> str:
     return "#999999" if mode == "full" else "#dd8452" if mode == "llama.cpp" else "#4c72b0"
 
 
-def plot_modes(results: Sequence[ModeResult], path: Path, title: str) -> Path:
-    """Bars of ms per item (log scale) with the speed-up over ``full`` written on each bar."""
+def plot_modes(results: Sequence[ModeResult], path: Path, title: str, floor_ms: float | None = None) -> Path:
+    """Bars of ms per item (log scale) with the speed-up over ``full`` written on each bar; ``floor_ms``: a dashed
+    line at the arithmetic floor per item (the many-label lanes' trie floor)."""
     fig, ax = plt.subplots(figsize=(8, 4.2))
-    names = [f"{r.mode}\n{r.dtype}, b={r.batch_size}" for r in results]
+    names = [f"{r.mode}\n{r.dtype}, b={r.batch_size}" + (f", n={r.records}" if len({x.records for x in results}) > 1 else "")
+             for r in results]
     values = [r.ms_per_item for r in results]
     colors = [lane_color(r.mode) for r in results]
     bars = ax.bar(names, values, color=colors)
@@ -36,6 +38,10 @@ def plot_modes(results: Sequence[ModeResult], path: Path, title: str) -> Path:
         if r.pct_of_peak is not None:
             label += f"\n{r.pct_of_peak:.0f}% peak"
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    if floor_ms:
+        ax.axhline(floor_ms, color="#c44e52", linestyle="--", linewidth=1)
+        ax.annotate(f"arithmetic floor {floor_ms:.0f} ms", (0, floor_ms), textcoords="offset points", xytext=(2, -11),
+                    fontsize=8, color="#c44e52")
     ax.set_yscale("log")
     ax.set_ylabel("ms per item (log scale, lower is better)")
     ax.set_title(wrap_title(title, fig, 10), fontsize=10)

@@ -81,7 +81,8 @@ def write_plots(report, document: dict, plot: Optional[Path], sweep_plot: Option
     from ..bench.plots import plot_modes, plot_sweep
 
     if plot:
-        err.print(f"wrote {plot_modes(report.results, plot, document_title(document))}")
+        floor = document.get("labels", {}).get("floor", {}).get("ms")
+        err.print(f"wrote {plot_modes(report.results, plot, document_title(document), floor)}")
     if "sweep" in document:
         target = sweep_plot or (plot.with_name(plot.stem + "-sweep.png") if plot else Path("bench-sweep.png"))
         points = [SweepPoint(p["prefix_tokens"], p["examples"], p["full_ms_per_item"], p["batched_ms_per_item"])
