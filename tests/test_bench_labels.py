@@ -12,7 +12,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from prefixcache.bench.workload import file_records
+from prefixcache.bench.workload import file_records, fitting_records
 from prefixcache.cli.app import app
 from prefixcache.errors import InputError
 from prefixcache.spec.task import parse_task
@@ -48,7 +48,9 @@ TEXTS = [
     ("refund my subscription", "refund_request"),
     ("is the refund on its way", "refund_status"),
     ("cannot reset my password", "login_help"),
-]
+] + [(f"{words} {n}", label) for n in range(5) for words, label in (
+    ("please give my money back", "refund_request"), ("what happened to my refund", "refund_status"),
+    ("my refund request was rejected", "refund_denied"), ("I am locked out of my account", "login_help"))]
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +70,11 @@ def test_file_records_leave_out_the_prompts_examples_and_take_the_gold_label_fie
     assert len(records) == 11
     assert "please refund the extra payment" not in {r.fields["text"] for r in records}
     assert all(r.fields["label"] in task.labels and "category" not in r.fields for r in records)
-    with pytest.raises(InputError, match="11 rows that are not examples"):
-        file_records(str(files / "rows.csv"), task, 12, "category")
+    with pytest.raises(InputError, match="31 rows that are not examples"):
+        file_records(str(files / "rows.csv"), task, 32, "category")
+    fitting = fitting_records(str(files / "rows.csv"), task, 3, records, "category")
+    assert not {r.fields["text"] for r in fitting} & ({r.fields["text"] for r in records} | {"please refund the extra payment"})
+    assert sorted(r.fields["label"] for r in fitting) == sorted(list(task.labels) * 3)
 
 
 def test_bench_with_shared_first_tokens_runs_the_many_label_lanes(files, tmp_path_factory):
@@ -91,6 +96,8 @@ def test_bench_with_shared_first_tokens_runs_the_many_label_lanes(files, tmp_pat
         assert lane["disagreements_outside_ties"] == 0, lane
     assert [m["mode"] for m in labels["modes"]] == ["batched", "batched+head"]
     assert all(m["records"] == 9 for m in labels["modes"])
+    assert all(0 <= m["gold_accuracy"] <= 1 for m in labels["subset_modes"] + labels["modes"])
+    assert "held out of the bench's records" in " ".join(result.output.split())
     for lane in labels["subset_modes"] + labels["modes"]:
         assert lane["peak_rss_bytes"] > 0 and 0 <= lane["added_rss_bytes"] <= lane["peak_rss_bytes"]
     floor = labels["floor"]

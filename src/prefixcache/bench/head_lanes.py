@@ -55,14 +55,12 @@ def gold_labels(records: Sequence[Record], task: Task) -> dict:
 
 
 def fit_bench_head(loaded: LoadedModel, task: Task, records: list[Record], batch_size: int, log: Callable[[str], None]) -> FittedHead:
-    """A head fitted on ``records`` and their gold labels (see :func:`gold_labels`), for timing only.
+    """A head fitted on ``records`` and their gold labels (see :func:`gold_labels`).
 
     Raises:
         InputError: a record lacks a usable gold label, a label has no record, or a record cannot run.
     """
     gold = gold_labels(records, task)
-    log(f"fitting a head on the bench's {len(records)} records (for timing only: the bench then classifies "
-        "the rows it was fitted on, so its labels say nothing about its accuracy) ...")
     features = collect_features(loaded, task, records, batch_size=batch_size).require_complete("bench record")
     result = fit_head(features, gold, folds=FIT_FOLDS)
     head = result.head
@@ -77,6 +75,8 @@ def bench_head(head: str | None, loaded: LoadedModel, task: Task, records: list[
     """The head of the head lanes: fitted here (``head == "fit"``), read from ``head`` (a file), else the task
     file's ``head:``, else None (no head lanes)."""
     if head == FIT:
+        log(f"fitting a head on the bench's {len(records)} records (for timing only: the bench then classifies "
+            "the rows it was fitted on, so its labels say nothing about its accuracy) ...")
         return fit_bench_head(loaded, without_head(task), records, batch_size, log)
     return head_for(task, head)
 

@@ -22,12 +22,14 @@ from ..engine.label_trie import LabelTrie
 from ..model.load import LoadedModel
 from ..run.classify import Classifier
 from ..spec.task import Task
-from ..types import Record
-from .head_lanes import bench_head, without_head
+from ..types import LABEL_FIELD, Record
+from .head_lanes import FIT, bench_head, fit_bench_head, without_head
 from .lanes import Lane, classifier_lane, nonembedding_params, run_lanes
 from .options import BenchOptions
+from .workload import fitting_records
 
 PER_LABEL = "batched/per-label"
+FIT_PER_LABEL = 8  # ``--head fit`` with ``--records``: rows per label the head is fitted on, held out of the bench
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,14 @@ def trie_floor(classifier: Classifier, record_tokens: float, peak_gflops: float)
     )
 
 
+def gold_accuracy(records: list[Record], predictions: list) -> float | None:
+    """The share of ``predictions`` equal to their record's gold label (None: some record has none)."""
+    gold = {record.id: record.fields.get(LABEL_FIELD) for record in records}
+    if not predictions or None in gold.values():
+        return None
+    return sum(p.label == gold[p.id] for p in predictions) / len(predictions)
+
+
 def label_lane_sets(
     options: BenchOptions, loaded: LoadedModel, task: Task, records: list[Record], log: Callable[[str], None]
 ) -> tuple[list[Lane], list[Lane]]:
@@ -98,7 +108,13 @@ def label_lane_sets(
         classifier_lane("batched", trie, "batched", options.batch_size),
     ]
     every = [classifier_lane("batched", trie, "batched", options.batch_size)]
-    head = bench_head(options.head, loaded, task, records, options.batch_size, log)
+    if options.head == FIT and options.records:
+        rows = fitting_records(options.records, task, FIT_PER_LABEL, records, options.label_field)
+        log(f"fitting a head on {len(rows)} other rows of {options.records} (up to {FIT_PER_LABEL} per label, held out "
+            "of the bench's records, so the head's accuracy on them is measured) ...")
+        head = fit_bench_head(loaded, prompt_task, rows, options.batch_size, log)
+    else:
+        head = bench_head(options.head, loaded, task, records, options.batch_size, log)
     if head is not None:
         every.append(classifier_lane("batched+head", Classifier(loaded, prompt_task, head=head), "batched", options.batch_size))
     return subset, every
@@ -125,7 +141,10 @@ def run_label_bench(
     document = {
         "floor": floor.to_json(),
         "subset_items": len(subset),
-        "subset_modes": [r.to_json() for r in first.results],
-        "modes": [r.to_json() for r in second.results],
+        "subset_modes": [r.to_json() | {"gold_accuracy": gold_accuracy(subset, first.predictions[r.mode])} for r in first.results],
+        "modes": [r.to_json() | {"gold_accuracy": gold_accuracy(records, second.predictions[r.mode])} for r in second.results],
     }
+    for mode in document["modes"]:
+        if mode["gold_accuracy"] is not None:
+            log(f"{mode['mode']}: {100 * mode['gold_accuracy']:.1f}% of {len(records)} records get their gold label")
     return first.results + second.results, document

@@ -42,6 +42,22 @@ def file_records(path: str, task, items: int, label_field: str = LABEL_FIELD, se
     return [_relabelled(rows[i], label_field) for i in chosen]
 
 
+def fitting_records(path: str, task, per_label: int, exclude: list[Record], label_field: str = LABEL_FIELD,
+                    seed: int = 1) -> list[Record]:
+    """Up to ``per_label`` records of each of ``task``'s labels from the file at ``path`` (seeded), none of them
+    a task example or one of the ``exclude`` records' texts: rows to fit a head on, held out of what is measured."""
+    taken = {example.text for example in getattr(task, "examples", [])} | {r.fields.get("text") for r in exclude}
+    rows = [_relabelled(r, label_field) for r in read_records(path, TEXT_FIELD) if r.fields.get("text") not in taken]
+    random.Random(seed).shuffle(rows)
+    chosen, count = [], dict.fromkeys(task.labels, 0)
+    for row in rows:
+        label = row.fields.get(LABEL_FIELD)
+        if label in count and count[label] < per_label:
+            count[label] += 1
+            chosen.append(row)
+    return chosen
+
+
 def _relabelled(record: Record, label_field: str) -> Record:
     fields = dict(record.fields)
     if label_field in fields:

@@ -84,8 +84,10 @@ def classify(
 def classify_here(input, task, model, config: RunConfig, method, text_field, id_field, out_path, dtype, threads, cache,
                   policy: str, resume: bool, head: Optional[Path] = None) -> None:
     """The local run: read every record, skip what ``--resume`` recovered, classify the rest into the journal.
+    With ``--out`` the job file goes beside it, and ``--resume`` first checks that it is the same job.
     ``cache``: the pool options, as :func:`~prefixcache.cli.loading.make_pool` takes them."""
     from ..io import records as data
+    from ..io.job_file import check_job, write_job
     from ..io.journal import Recovered, check_matches, recover, write_predictions
     from ..types import RunStats
 
@@ -93,6 +95,11 @@ def classify_here(input, task, model, config: RunConfig, method, text_field, id_
     done = recover(out_path) if resume else Recovered()
     check_matches(done, records, out_path)
     classifier = setup_classifier(task, model, dtype, threads, method, make_pool(*cache), head)
+    if out_path:
+        fingerprint = classifier.fingerprint()
+        if resume:
+            check_job(out_path, fingerprint, done.lines)
+        write_job(out_path, fingerprint)  # before the first line: lines never exist without their job file
     stats = RunStats()
     with (open_output(out_path, "a" if resume else "w", "--out") if out_path else nullcontext(sys.stdout)) as sink:
         with progress(len(records), f"classify [{config.mode}]") as bar:

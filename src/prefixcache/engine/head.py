@@ -12,6 +12,8 @@ This module knows nothing about files, fitting or records: see :mod:`prefixcache
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -56,6 +58,14 @@ class FittedHead:
     @property
     def spec(self) -> FeatureSpec:
         return FeatureSpec.parse(self.feature)
+
+    def digest(self) -> str:
+        """A hash of what the head computes (weights, bias, labels, feature, prompt scale), 16 hex digits."""
+        content = hashlib.sha256()
+        for tensor in (self.weight, self.bias):
+            content.update(tensor.detach().float().contiguous().cpu().numpy().tobytes())
+        content.update(json.dumps([list(self.labels), self.feature, self.prompt_scale]).encode())
+        return content.hexdigest()[:16]
 
     @property
     def on_prompt(self) -> bool:

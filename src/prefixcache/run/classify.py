@@ -25,6 +25,8 @@ The value types (Record, Prediction, RunConfig, RunStats, LabelScores) live in
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -100,6 +102,21 @@ class Classifier(BoundTask):
             raise HeadMismatchError(f"the head reads {head.width} features, but {head.feature} gives {width} on this model")
         return f"head:{head.feature}"
 
+    def fingerprint(self) -> dict[str, str | None]:
+        """What decides this classifier's labels, as short strings (see :mod:`prefixcache.io.job_file`):
+        the task's name, hashes of its prompt (prefix tokens, tail and template) and of its labels with their
+        tokens, the model's identity, the scoring method, the dtype, and the fitted head's digest (or None)."""
+        prompt = self.prompt
+        return {
+            "task": self.task.name,
+            "prompt": _digest([list(prompt.prefix_ids), prompt.tail_text, self.task.input_template]),
+            "labels": _digest([[label, list(ids)] for label, ids in prompt.label_ids.items()]),
+            "model": self.loaded.identity,
+            "method": self.method,
+            "dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "head": self.fitted_head.digest() if self.fitted_head is not None else None,
+        }
+
     def classify(
         self,
         records: Iterable[Record],
@@ -148,6 +165,10 @@ class Classifier(BoundTask):
     def _tally(self, stats: RunStats, items: list[WorkItem], results: list[Prediction]) -> None:
         stats.errors += sum(1 for i in items if i.error is not None)
         stats.context_overflows += sum(1 for i in items if i.overflowed)
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:16]
 
 
 def records_from_texts(texts: Iterable[str]) -> list[Record]:
