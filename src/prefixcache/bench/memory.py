@@ -3,11 +3,14 @@
 The kernel's own high-water mark (``ru_maxrss``) only ever grows, so it cannot tell one bench lane
 from the one before. :class:`PeakRSS` samples this process's resident set every few milliseconds
 while its block runs, which sees any peak that lasts longer than the interval (a forward pass's
-activations do; torch releases the GIL while it computes).
+activations do; torch releases the GIL while it computes). Before it starts, freed memory the C
+allocator still holds is handed back (:func:`release_freed_memory`), so the peak is the block's own.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import threading
 
 import psutil
@@ -27,6 +30,7 @@ class PeakRSS:
         self.bytes = 0
 
     def __enter__(self) -> PeakRSS:
+        release_freed_memory()
         self.start_bytes = self.bytes = self._process.memory_info().rss
         self._thread.start()
         return self
@@ -39,3 +43,13 @@ class PeakRSS:
     def _sample(self) -> None:
         while not self._stop.wait(self._interval):
             self.bytes = max(self.bytes, self._process.memory_info().rss)
+
+
+def release_freed_memory() -> None:
+    """Hand memory that was freed but kept by the C allocator back to the system (glibc's ``malloc_trim``),
+    so that a lane's resident peak is its own and not what the lane before it left behind. A no-op
+    where the C library has no such call."""
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is not None:
+        trim(0)
