@@ -9,7 +9,8 @@ First-token scoring cannot tell such labels apart, so every lane scores whole la
   route for many labels when labelled rows exist); their agreement is against that ``batched``
   lane, their speed-up against ``full`` per record.
 
-Each lane reports its peak resident memory, and the job reports the label trie's arithmetic floor
+The lanes share one prefix (a pool), so each lane's peak resident memory is its own work on top of
+one model and one prefix. The job reports the label trie's arithmetic floor
 per record (:func:`trie_floor`), so every lane's time can be read against what the arithmetic allows.
 """
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
+from ..cache.config import PoolConfig
+from ..cache.pool import PrefixPool
 from ..engine.label_trie import LabelTrie
 from ..model.load import LoadedModel
 from ..run.classify import Classifier
@@ -29,6 +32,7 @@ from .options import BenchOptions
 from .workload import fitting_records
 
 PER_LABEL = "batched/per-label"
+SHARED_PREFIX_BUDGET = 2**30  # the lanes' one prefix pool: a 4,000-token prefix of a 135M model is ~190 MiB
 FIT_PER_LABEL = 8  # ``--head fit`` with ``--records``: rows per label the head is fitted on, held out of the bench
 
 
@@ -100,8 +104,9 @@ def label_lane_sets(
 ) -> tuple[list[Lane], list[Lane]]:
     """The lanes run on the first ``options.full_items`` records, and those run on every record."""
     prompt_task = without_head(task)
-    trie = Classifier(loaded, prompt_task, "full")
-    before = Classifier(loaded, prompt_task, "full", label_pass="per-label")
+    pool = PrefixPool(PoolConfig(budget_bytes=SHARED_PREFIX_BUDGET))  # one prefix, shared by every lane
+    trie = Classifier(loaded, prompt_task, "full", pool=pool)
+    before = Classifier(loaded, prompt_task, "full", pool=pool, label_pass="per-label")
     subset = [
         classifier_lane("full", trie, "full"),
         classifier_lane(PER_LABEL, before, "batched", options.before_batch_size),
@@ -116,7 +121,8 @@ def label_lane_sets(
     else:
         head = bench_head(options.head, loaded, task, records, options.batch_size, log)
     if head is not None:
-        every.append(classifier_lane("batched+head", Classifier(loaded, prompt_task, head=head), "batched", options.batch_size))
+        every.append(classifier_lane("batched+head", Classifier(loaded, prompt_task, pool=pool, head=head), "batched",
+                                     options.batch_size))
     return subset, every
 
 
