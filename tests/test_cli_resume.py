@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from prefixcache.io import journal as resume
+from prefixcache.io.job_file import job_path
 from prefixcache.cli.app import app
 from prefixcache.errors import InputError
 from prefixcache.run.classify import LabelScores, Prediction, Record
@@ -62,7 +64,14 @@ def uninterrupted(model_dir, job, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref") / "out.jsonl"
     result = _run(_args(model_dir, job, out))
     assert result.exit_code == 0, result.output
+    shutil.copy(job_path(out), job / "job.json")  # the job file of this job, for outputs written by hand below
     return _rows(out)
+
+
+def _hand_written(out: Path, rows: list[dict], job) -> None:
+    """``rows`` as the output ``out`` of this very job (its job file beside it), as a killed run leaves it."""
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shutil.copy(job / "job.json", job_path(out))
 
 
 def _assert_same_job(rows: list[dict], reference: list[dict]) -> None:
@@ -129,14 +138,14 @@ def test_fail_fix_resume(model_dir, job, uninterrupted, tmp_path):
 def test_exit_code_counts_failures_written_before_the_resume(model_dir, job, uninterrupted, tmp_path):
     out = tmp_path / "out.jsonl"
     failed = dict(uninterrupted[0], label=None, scores=None, margin=None, error="an earlier failure")
-    out.write_text("".join(json.dumps(r) + "\n" for r in [failed, *uninterrupted[1:]]))
+    _hand_written(out, [failed, *uninterrupted[1:]], job)
     result = _run(_args(model_dir, job, out, "--resume"))
     assert result.exit_code == 1 and "(1 errors)" in result.output
 
 
 def test_resume_refuses_an_output_of_another_input(model_dir, job, uninterrupted, tmp_path):
     out = tmp_path / "out.jsonl"
-    out.write_text("".join(json.dumps(dict(r, id=f"x{i}")) + "\n" for i, r in enumerate(uninterrupted[:3])))
+    _hand_written(out, [dict(r, id=f"x{i}") for i, r in enumerate(uninterrupted[:3])], job)
     result = _run(_args(model_dir, job, out, "--resume"))
     assert result.exit_code == 2
     assert "out.jsonl:1 is for id 'x0' but input row 0 has id 'r0'" in result.output

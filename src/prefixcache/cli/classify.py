@@ -83,17 +83,19 @@ def classify(
 
 def classify_here(input, task, model, config: RunConfig, method, text_field, id_field, out_path, dtype, threads, cache,
                   policy: str, resume: bool, head: Optional[Path] = None) -> None:
-    """The local run: read every record, skip what ``--resume`` recovered, classify the rest into the journal.
+    """The local run, streamed from reader to journal (memory does not grow with the input): skip what
+    ``--resume`` recovered, classify the rest.
     With ``--out`` the job file goes beside it, and ``--resume`` first checks that it is the same job.
     ``cache``: the pool options, as :func:`~prefixcache.cli.loading.make_pool` takes them."""
     from ..io import records as data
     from ..io.job_file import check_job, write_job
-    from ..io.journal import Recovered, check_matches, recover, write_predictions
+    from ..io.journal import Recovered, recover, skip_done, write_predictions
     from ..types import RunStats
 
-    records = check_text_field(list(data.scan_records(input, text_field, id_field)), text_field)
+    total = data.count_rows(input)  # a cheap pass for the progress bar; the job itself streams
+    records = check_text_field(data.scan_records(input, text_field, id_field), text_field)
     done = recover(out_path) if resume else Recovered()
-    check_matches(done, records, out_path)
+    records = skip_done(done, records, out_path)
     classifier = setup_classifier(task, model, dtype, threads, method, make_pool(*cache), head)
     if out_path:
         fingerprint = classifier.fingerprint()
@@ -102,9 +104,9 @@ def classify_here(input, task, model, config: RunConfig, method, text_field, id_
         write_job(out_path, fingerprint)  # before the first line: lines never exist without their job file
     stats = RunStats()
     with (open_output(out_path, "a" if resume else "w", "--out") if out_path else nullcontext(sys.stdout)) as sink:
-        with progress(len(records), f"classify [{config.mode}]") as bar:
+        with progress(total, f"classify [{config.mode}]") as bar:
             bar.update(done.lines)
-            predictions = classifier.classify(records[done.lines:], config, progress=bar.update, stats=stats)
+            predictions = classifier.classify(records, config, progress=bar.update, stats=stats)
             written = write_predictions(predictions, sink, policy, sync_every=config.window if out_path else None)
     err.print(
         f"{stats.records} records in {stats.seconds:.1f} s ({stats.records / max(stats.seconds, 1e-9):.1f} rec/s), "

@@ -50,7 +50,7 @@ def eval_(
         output_path(plot, "--plot")
         check_plotting()
     steps = parse_steps(sweep_examples) if sweep_examples is not None else None
-    records = check_text_field(list(data.read_records(input, text_field, id_field)), text_field)
+    records = list(check_text_field(data.read_records(input, text_field, id_field), text_field))
     plan = plan_eval(load_task(task), records, label_field, steps, seed, head)
     classifier = setup_classifier(task, model, dtype, threads, method, head=plan.head)
     neutral = tuple(content_free) if content_free else CONTENT_FREE if calibrate else None

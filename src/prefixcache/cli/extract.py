@@ -60,15 +60,16 @@ def extract(
 
 def extract_into(extractor, input: str, text_field: str, id_field: Optional[str], config: RunConfig,
                  out_path: Optional[Path]):
-    """Read the records, extract them and write one JSON line each to ``out_path`` (or stdout); the stats."""
+    """Stream the records, extract them and write one JSON line each to ``out_path`` (or stdout); the stats."""
     from ..io import records as data
     from ..io.jsonl import write_line
     from ..run.extract import ExtractStats
 
-    records = check_text_field(list(data.read_records(input, text_field, id_field)), text_field)
+    total = data.count_rows(input)  # a cheap pass for the progress bar; the job itself streams
+    records = check_text_field(data.read_records(input, text_field, id_field), text_field)
     stats = ExtractStats()
     with (open_output(out_path, "w", "--out") if out_path else nullcontext(sys.stdout)) as sink:
-        with progress(len(records), f"extract [{config.mode}]") as bar:
+        with progress(total, f"extract [{config.mode}]") as bar:
             for extraction in extractor.extract(records, config, progress=bar.update, stats=stats):
                 write_line(sink, extraction.to_json())
                 sink.flush()

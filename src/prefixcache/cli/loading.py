@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from itertools import chain, islice
+from typing import Iterable, Iterator, Optional
 
 import typer
 
@@ -92,13 +93,19 @@ def make_pool(cache_budget: Optional[str], cache_dir: Optional[Path], kv_storage
     return PrefixPool(PoolConfig(budget, policy, storage), DiskStore(cache_dir) if cache_dir else None)
 
 
-def check_text_field(records: list, text_field: str) -> list:
-    """``records``, unless ``--text-field`` names a field that no row has: a typo there would otherwise fail
-    every record one by one (or leave ``verify`` nothing to compare), so it is a usage error."""
-    valid = [r for r in records if r.error is None]
+TEXT_FIELD_PEEK = 1024  # rows read ahead to check --text-field before a streamed job starts
+
+
+def check_text_field(records: Iterable, text_field: str) -> Iterator:
+    """``records``, streamed, unless ``--text-field`` names a field that none of the first
+    :data:`TEXT_FIELD_PEEK` readable rows has: a typo there would otherwise fail every record one by one
+    (or leave ``verify`` nothing to compare), so it is a usage error. Only those rows are read ahead."""
+    records = iter(records)
+    ahead = list(islice(records, TEXT_FIELD_PEEK))
+    valid = [r for r in ahead if r.error is None]
     if text_field != "text" and valid and not any("text" in r.fields for r in valid):
         raise typer.BadParameter(f"no row has a field {text_field!r}", param_hint="--text-field")
-    return records
+    return chain(ahead, records)
 
 
 def progress(total: Optional[int], desc: str):

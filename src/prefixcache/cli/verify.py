@@ -53,7 +53,7 @@ def verify_labels(input, task, model, config: RunConfig, method, text_field, id_
     from ..io import records as data
 
     classifier = setup_classifier(task, model, dtype, threads, method, pool, head)
-    records = check_text_field(list(data.read_records(input, text_field, id_field)), text_field)
+    records = list(check_text_field(data.read_records(input, text_field, id_field), text_field))
     with progress(2 * len(records), f"verify [full + {config.mode}]") as bar:
         result = run_verify(classifier, records, config, progress=bar.update)
     agreement = result.agreement
@@ -80,7 +80,7 @@ def verify_extract(input, task, model, config: RunConfig, text_field, id_field, 
     from ..eval.verify_extract import verify_extract as run_verify_extract
 
     extractor = setup_extractor(task, model, dtype, threads, pool)
-    records = check_text_field(list(data.read_records(input, text_field, id_field)), text_field)
+    records = list(check_text_field(data.read_records(input, text_field, id_field), text_field))
     with progress(2 * len(records), f"verify extract [full + {config.mode}]") as bar:
         agreement, _, _ = run_verify_extract(extractor, records, config, progress=bar.update)
     report_agreement(

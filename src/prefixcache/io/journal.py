@@ -5,11 +5,11 @@ every record exactly one Prediction (bad rows get error lines), so line k of
 the output is always the result for input row k. Hence:
 
 * resuming is counting the complete lines already written and skipping that
-  many input rows (:func:`recover`, then ``records[done.lines:]``);
+  many input rows as they stream past (:func:`recover`, then :func:`skip_done`);
 * a torn last line (the process died mid-write, or the disk kept a zero-filled
   tail) is cut off, and its row is run again;
 * the ids of the kept lines must equal the ids of the first input rows, or the
-  output belongs to another input and resuming is refused (:func:`check_matches`);
+  output belongs to another input and resuming is refused (:func:`skip_done`, :func:`check_matches`);
 * a finished job resumed again does nothing, and every id appears once.
 
 Durability (:func:`write_predictions`): each line is written as the runner
@@ -33,7 +33,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterable, Sequence
+from typing import IO, Iterable, Iterator, Sequence
 
 from ..errors import InputError, setting
 from .jsonl import json_line, write_line
@@ -135,12 +135,35 @@ def check_matches(done: Recovered, records: Sequence[Record], out: Path) -> None
             f"input. Move it aside, or choose another {setting('out')}"
         )
     for number, (got, record) in enumerate(zip(done.ids, records), start=1):
-        want = _as_json(record.id)
-        if got != want:
+        _check_line(out, number, got, record)
+
+
+def skip_done(done: Recovered, records: Iterable[Record], out: Path) -> Iterator[Record]:
+    """The records after the ``done.lines`` that ``out`` already holds, streamed: the done ones are read now
+    (and checked as :func:`check_matches` does), never held.
+
+    Raises:
+        InputError: the input has fewer rows than ``out`` has lines, or row k's id is not line k's.
+    """
+    records = iter(records)
+    for number, got in enumerate(done.ids, start=1):
+        record = next(records, None)
+        if record is None:
             raise InputError(
-                f"{out}:{number} is for id {got!r} but input row {number - 1} has id {want!r}: the output belongs "
-                f"to another input (or {setting('id_field')}). Move it aside, or choose another {setting('out')}"
+                f"{out} has {done.lines} lines but the input has only {number - 1} rows: it belongs to another "
+                f"input. Move it aside, or choose another {setting('out')}"
             )
+        _check_line(out, number, got, record)
+    return records
+
+
+def _check_line(out: Path, number: int, got: object, record: Record) -> None:
+    want = _as_json(record.id)
+    if got != want:
+        raise InputError(
+            f"{out}:{number} is for id {got!r} but input row {number - 1} has id {want!r}: the output belongs "
+            f"to another input (or {setting('id_field')}). Move it aside, or choose another {setting('out')}"
+        )
 
 
 def _as_json(value: object) -> object:

@@ -59,6 +59,9 @@ class Row:
     error: str | None = None
 
 
+PARQUET_BATCH = 4096  # rows per Parquet record batch read
+
+
 def scan_rows(source: str | Path) -> Iterator[Row]:
     """Every row of a file (or ``-``), readable or not, in file order. Never skips a non-blank row.
 
@@ -158,15 +161,43 @@ def _check_header(header: list[str], where: str) -> None:
 
 
 def _parquet_rows(path: Path) -> Iterator[Row]:
+    """Rows of a Parquet file, read a record batch at a time (never the whole table)."""
     import pyarrow
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        batches = pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH)
+        n = 0
+        for batch in batches:
+            for values in batch.to_pylist():
+                yield _checked(f"{path}: row {n}", values)
+                n += 1
     except (OSError, pyarrow.ArrowException) as exc:
         raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
-    for n, values in enumerate(table.to_pylist()):
-        yield _checked(f"{path}: row {n}", values)
+
+
+def count_rows(source: str | Path) -> int | None:
+    """How many rows :func:`scan_rows` will give, by a cheap pass that does not parse them (a progress bar's
+    total): non-blank lines of a JSONL file, CSV records after the header, a Parquet file's row count.
+    None for ``-`` (stdin can be read once) and for a file :func:`scan_rows` will refuse."""
+    path = Path(source)
+    if str(source) == "-" or not path.is_file():
+        return None
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".jsonl", ".ndjson"):
+            with path.open("rb") as fh:
+                return sum(1 for line in fh if line.strip())
+        if suffix == ".csv":
+            with path.open(newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
+                return max(0, sum(1 for _ in csv.reader(fh)) - 1)
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows
+    except Exception:  # noqa: BLE001 - a total is a nicety; scan_rows reports what is wrong with the file
+        return None
+    return None
 
 
 def _checked(where: str, values: dict) -> Row:
