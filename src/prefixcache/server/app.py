@@ -44,7 +44,7 @@ from .settings import ServerSettings
 
 TASK_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 TASK_MEDIA_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "application/json", "text/plain")
-ERRORS = {code: {"model": ErrorOut} for code in (401, 404, 413, 429)}  # 422 keeps FastAPI's own shape too
+ERRORS = {code: {"model": ErrorOut} for code in (401, 404, 413, 422, 429)}  # 422: a message, or FastAPI's field list
 
 
 def create_app(

@@ -155,7 +155,10 @@ class Stats(BaseModel):
 
 
 class ErrorOut(BaseModel):
+    """Every error answer: a message, or (a request that breaks the schema, status 422) FastAPI's list of
+    the fields at fault."""
+
     model_config = ConfigDict(extra="forbid")
 
-    detail: str
+    detail: str | list[dict[str, Any]]
     item: int | None = Field(default=None, description="0-based index of the item at fault, when one is.")
