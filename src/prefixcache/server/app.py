@@ -26,6 +26,7 @@ from typing import Sequence
 
 from fastapi import FastAPI, Path, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from ..errors import (
     InputError, ItemError, PoolBudgetError, PrefixCacheError, PromptError, QueueFullError, RequestLimitError,
@@ -166,7 +167,9 @@ def _task_routes(app: FastAPI, service: Service) -> None:
         The body is the task itself, parsed as text: it can name no file, and nothing in it is read from disk.
         Requests already accepted for a replaced task finish with the old version.
         """
-        task = _parse_upload(name, request.headers.get("content-type", ""), await request.body())
+        body = await request.body()
+        # parsed on a worker thread: a large or pathological task file must not hold up the event loop
+        task = await run_in_threadpool(_parse_upload, name, request.headers.get("content-type", ""), body)
         runner, created = await service.register(task)
         response.status_code = 201 if created else 200
         return TaskInfo(**runner.describe())
