@@ -568,10 +568,10 @@ def test_web_page_in_headless_chromium(loaded, task, tmp_path, monkeypatch):
 
 
 def test_a_slow_task_upload_does_not_hold_up_other_requests(loaded, task):
-    """Issue 19, item 1: a task file that is slow to parse (3,000 labels that are not text, each one an error
+    """Issue 19, item 1: a task file that is slow to parse (12,000 labels that are not text, each one an error
     to locate) is parsed off the event loop, so /healthz, sent while that upload is in flight, is answered
     before it (on the event loop, it waited for the whole parse)."""
-    body = "name: slow\ninstruction: x\nlabels:\n" + "".join(f"  label{i}: [{i}, {i}]\n" for i in range(3000))
+    body = "name: slow\ninstruction: x\nlabels:\n" + "".join(f"  label{i}: [{i}, {i}]\n" for i in range(12_000))
     done: dict[str, float] = {}
     with serving(loaded, [task]) as server:
         def upload():
@@ -581,7 +581,7 @@ def test_a_slow_task_upload_does_not_hold_up_other_requests(loaded, task):
 
         uploading = threading.Thread(target=upload)
         uploading.start()
-        time.sleep(0.3)  # let the server start parsing
+        time.sleep(0.2)  # let the server start parsing
         sent = time.perf_counter()
         assert call(server, "GET", "/healthz")[0] == 200
         done["health"] = time.perf_counter()

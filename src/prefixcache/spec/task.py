@@ -256,6 +256,19 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+MAX_REPORTED_PROBLEMS = 20  # a task file's problems named in one error; the rest are counted
+
+
+def _compose_and_construct(text: str) -> tuple[yaml.Node | None, object]:
+    """The YAML node tree (for line numbers) and the data built from that same tree: the text is parsed once."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        root = loader.get_single_node()
+        return root, (loader.construct_document(root) if root is not None else None)
+    finally:
+        loader.dispose()
+
+
 def _line_of(root: yaml.Node | None, loc: tuple) -> int | None:
     """1-based line of the node at pydantic location ``loc``, or of its nearest parent."""
     node, line = root, (root.start_mark.line + 1 if root is not None else None)
@@ -282,8 +295,7 @@ def parse_task(text: str, source: str = "<string>", kinds: tuple[str, ...] = ("c
             or saying which command runs a task of another kind.
     """
     try:
-        root = yaml.compose(text, Loader=_UniqueKeyLoader)
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
+        root, data = _compose_and_construct(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source
@@ -311,10 +323,12 @@ def parse_task(text: str, source: str = "<string>", kinds: tuple[str, ...] = ("c
             else:
                 problems.append((loc, message))
         lines = []
-        for loc, message in problems:
+        for loc, message in problems[:MAX_REPORTED_PROBLEMS]:  # each is located by a walk of the file's nodes
             line = _line_of(root, loc)
             where = f"{source}:{line}" if line else source
             lines.append(f"{where}: field '{'.'.join(map(str, loc)) or '(task)'}': {message}")
+        if len(problems) > MAX_REPORTED_PROBLEMS:
+            lines.append(f"... and {len(problems) - MAX_REPORTED_PROBLEMS} more problems")
         raise TaskError("invalid task file\n  " + "\n  ".join(lines)) from None
 
 
