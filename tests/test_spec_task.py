@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from prefixcache.errors import TaskError
@@ -86,3 +88,12 @@ def test_a_task_file_with_thousands_of_problems_names_the_first_twenty_and_count
     lines = str(refused.value).splitlines()
     assert len(lines) == 1 + 20 + 1 and lines[-1].strip() == "... and 2980 more problems"
     assert lines[1].strip().startswith("many.yaml:4: field 'labels.label0'") and "many.yaml:23:" in lines[20]
+
+
+@pytest.mark.parametrize("template", ["Ticket: {text:x>200000}", "{text:>5}", "{text!r}", "{text!s:^9}"])
+def test_a_template_with_a_format_spec_or_conversion_is_refused_naming_the_field(template):
+    """Issue 19, item 6: a spec pads every record to any width (``{text:x>200000}`` made a 2-character item a
+    50,048-token prompt), and ``{text:>5}`` reached the server as a 500."""
+    body = f"name: t\ninstruction: x\nlabels: {{a: first, b: second}}\ninput_template: {json.dumps(template)}\n"
+    with pytest.raises(TaskError, match=r"t.yaml:4: field 'input_template'.*format spec or conversion; write it as \{text\}"):
+        parse_task(body, "t.yaml")

@@ -148,13 +148,21 @@ def pool_problems(pool: list[Example], select: Selection | None, labels: dict[st
 
 
 def template_fields(template: str) -> list[str]:
-    """Names of the ``{field}`` slots in a ``str.format`` template, in order, without repeats."""
+    """Names of the ``{field}`` slots in a ``str.format`` template, in order, without repeats.
+
+    Raises:
+        ValueError: a slot is not a plain name, or carries a format spec or a conversion (``{text:>9}``,
+            ``{text!r}``): a spec such as ``{text:x>200000}`` would pad every record to any width.
+    """
     names: list[str] = []
-    for _, field, _, _ in string.Formatter().parse(template):
+    for _, field, spec, conversion in string.Formatter().parse(template):
         if field is None:
             continue
         if not field.isidentifier():
             raise ValueError(f"field {{{field}}} is not a plain name")
+        if spec or conversion:
+            written = "{" + field + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            raise ValueError(f"field {written} has a format spec or conversion; write it as {{{field}}}")
         if field not in names:
             names.append(field)
     return names
