@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import TaskError
+from .yaml_source import compose_and_construct, line_of
 
 BUNDLED_PACKAGE = "prefixcache.tasks"
 
@@ -239,60 +240,7 @@ TASK_KINDS: dict[str, type[BaseModel]] = {"classify": Task, "extract": ExtractTa
 """``kind:`` in a task file -> the model that validates it."""
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A SafeLoader that refuses duplicate mapping keys instead of keeping the last one."""
-
-
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: dict = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        try:
-            hash(key)
-        except TypeError:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"a key must be a plain name, not {type(key).__name__}", key_node.start_mark
-            ) from None
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
-            )
-        seen[key] = True
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
 MAX_REPORTED_PROBLEMS = 20  # a task file's problems named in one error; the rest are counted
-
-
-def _compose_and_construct(text: str) -> tuple[yaml.Node | None, object]:
-    """The YAML node tree (for line numbers) and the data built from that same tree: the text is parsed once."""
-    loader = _UniqueKeyLoader(text)
-    try:
-        root = loader.get_single_node()
-        return root, (loader.construct_document(root) if root is not None else None)
-    finally:
-        loader.dispose()
-
-
-def _line_of(root: yaml.Node | None, loc: tuple) -> int | None:
-    """1-based line of the node at pydantic location ``loc``, or of its nearest parent."""
-    node, line = root, (root.start_mark.line + 1 if root is not None else None)
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            match = [v for k, v in node.value if getattr(k, "value", None) == str(part)]
-            if not match:
-                break
-            key_line = [k for k, _ in node.value if getattr(k, "value", None) == str(part)][0].start_mark.line
-            node, line = match[0], key_line + 1
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            break
-    return line
 
 
 def parse_task(text: str, source: str = "<string>", kinds: tuple[str, ...] = ("classify",)) -> Task:
@@ -303,7 +251,7 @@ def parse_task(text: str, source: str = "<string>", kinds: tuple[str, ...] = ("c
             or saying which command runs a task of another kind.
     """
     try:
-        root, data = _compose_and_construct(text)
+        root, data = compose_and_construct(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source
@@ -332,7 +280,7 @@ def parse_task(text: str, source: str = "<string>", kinds: tuple[str, ...] = ("c
                 problems.append((loc, message))
         lines = []
         for loc, message in problems[:MAX_REPORTED_PROBLEMS]:  # each is located by a walk of the file's nodes
-            line = _line_of(root, loc)
+            line = line_of(root, loc)
             where = f"{source}:{line}" if line else source
             lines.append(f"{where}: field '{'.'.join(map(str, loc)) or '(task)'}': {message}")
         if len(problems) > MAX_REPORTED_PROBLEMS:
