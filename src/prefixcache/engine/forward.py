@@ -22,7 +22,7 @@ import torch
 from ..cache.kv import PrefixKV
 from .label_pass import score_whole_labels
 from .per_label import score_per_label
-from .rows import forward_rows, last_hidden_packed, pad_rows
+from .rows import last_hidden_packed, run_padded
 from .scoring import LabelHead
 
 __all__ = ["score_rows"]
@@ -34,8 +34,8 @@ def score_rows(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence
 
     First-token scoring reads each row's last hidden state: rows of unequal length run packed
     (:func:`last_hidden_packed`), rows of one length (a single row, say) have no padding to save
-    and run as they are. Whole labels (``full``) go through the labels' trie, the record's tokens
-    and the trie's nodes in one packed pass (:func:`~prefixcache.engine.label_pass.score_whole_labels`),
+    and run as they are. Whole labels (``full``) go through the labels' trie: the record's tokens,
+    then the trie's nodes, over one fork (:func:`~prefixcache.engine.label_pass.score_whole_labels`),
     or label by label where the head asks for the reference (``label_pass="per-label"``).
     The prefix is only read. Each call uses its own fork, so concurrent calls are safe.
     """
@@ -44,10 +44,4 @@ def score_rows(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence
         return score(model, prefix, rows, head)
     if len({len(r) for r in rows}) > 1:
         return head.first_token(last_hidden_packed(model, prefix, rows))
-    device = prefix.keys[0].device
-    ids, mask, lengths = pad_rows(rows, device)  # [B, S], [B, S], [B]
-    batch = len(rows)
-    prefix_mask = torch.ones(batch, prefix.length, dtype=torch.bool, device=device)  # [B, P]
-    start = torch.full((batch,), prefix.length, device=device)
-    hidden = forward_rows(model, prefix.fork(batch), ids, mask, start, prefix_mask)  # [B, S, H]
-    return head.first_token(hidden[torch.arange(batch, device=device), lengths - 1])
+    return head.first_token(run_padded(model, prefix, rows).last)

@@ -25,7 +25,7 @@ import torch
 
 from ..cache.kv import PrefixKV
 from .label_trie import TriePart
-from .rows import forward_rows, forward_visible, pad_rows
+from .rows import forward_visible, run_padded
 from .scoring import LabelHead
 
 TOKEN_BUDGET = 4096  # packed tokens (records + fed nodes) per forward pass
@@ -70,17 +70,14 @@ def _part_hidden(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequen
     once, each attending to the prefix, its row's tokens and its own ancestors (``part.sees``).
     """
     device = prefix.keys[0].device
-    ids, mask, lengths = pad_rows(rows, device)  # [B, S], [B, S], [B]
+    first = run_padded(model, prefix, rows)
     batch, fed = len(rows), len(part)
-    cache = prefix.fork(batch)
-    past = torch.ones(batch, prefix.length, dtype=torch.bool, device=device)  # [B, P]
-    hidden = forward_rows(model, cache, ids, mask, torch.full((batch,), prefix.length, device=device), past)  # [B, S, H]
-    last = hidden[torch.arange(batch, device=device), lengths - 1][:, None]  # [B, 1, H]
+    last = first.last[:, None]  # [B, 1, H]
     if not fed:
         return last
-    seen = torch.cat([past, mask], dim=1)[:, None, None, :].expand(batch, 1, fed, -1)  # [B, 1, N, P + S]
+    seen = first.seen[:, None, None, :].expand(batch, 1, fed, -1)  # [B, 1, N, P + S]
     tree = part.sees(device)[None, None].expand(batch, 1, fed, fed)  # [B, 1, N, N]
     depths = torch.tensor(part.depths, device=device)  # [N]
-    positions = (prefix.length + lengths - 1)[:, None] + depths[None, :]  # [B, N]: the label token's own position
+    positions = (prefix.length + first.lengths - 1)[:, None] + depths[None, :]  # [B, N]: the label token's own position
     nodes = torch.tensor(part.tokens, dtype=torch.long, device=device).expand(batch, fed)  # [B, N]
-    return torch.cat([last, forward_visible(model, cache, nodes, positions, torch.cat([seen, tree], dim=-1))], dim=1)
+    return torch.cat([last, forward_visible(model, first.cache, nodes, positions, torch.cat([seen, tree], dim=-1))], dim=1)

@@ -13,23 +13,16 @@ from typing import Sequence
 import torch
 
 from ..cache.kv import ForkedCache, PrefixKV
-from .rows import forward_rows, pad_rows
+from .rows import forward_rows, pad_rows, run_padded
 from .scoring import LabelHead
 
 
 @torch.inference_mode()
 def score_per_label(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]], head: LabelHead) -> torch.Tensor:
     """Label-normalized log-probs ``[B, L]`` of every whole label after each row (``full`` scoring)."""
-    device = prefix.keys[0].device
-    ids, mask, lengths = pad_rows(rows, device)  # [B, S], [B, S], [B]
-    batch = len(rows)
-    cache = prefix.fork(batch)
-    prefix_mask = torch.ones(batch, prefix.length, dtype=torch.bool, device=device)  # [B, P]
-    start = torch.full((batch,), prefix.length, device=device)
-    hidden = forward_rows(model, cache, ids, mask, start, prefix_mask)  # [B, S, H]
-    last = hidden[torch.arange(batch, device=device), lengths - 1]  # [B, H]
-    logprobs = head.first_step(last)  # [B, L]
-    logprobs = logprobs + _continuations(model, cache, torch.cat([prefix_mask, mask], dim=1), lengths + prefix.length, head)
+    first = run_padded(model, prefix, rows)
+    logprobs = head.first_step(first.last)  # [B, L]
+    logprobs = logprobs + _continuations(model, first.cache, first.seen, first.lengths + prefix.length, head)
     return head.normalize(logprobs)
 
 

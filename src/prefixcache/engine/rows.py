@@ -11,6 +11,7 @@ Rows never see each other, and every row sees the whole prefix (the fork's contr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -85,6 +86,32 @@ def forward_visible(
     use_shared_prefix_attention(model)
     out = model.base_model(input_ids=ids, attention_mask=visible, position_ids=positions, cache=cache, use_cache=True)
     return out.last_hidden_state
+
+
+@dataclass(frozen=True)
+class PaddedPass:
+    """Right-padded rows run over a fork of a prefix (:func:`run_padded`); the fork may be continued.
+
+    ``seen`` ``[B, P + S]`` is what each row's next token may attend to: the whole prefix and its row's
+    real tokens.
+    """
+
+    cache: ForkedCache
+    seen: torch.Tensor  # [B, P + S] bool
+    lengths: torch.Tensor  # [B]
+    last: torch.Tensor  # [B, H]: each row's hidden state at its last real token
+
+
+def run_padded(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]]) -> PaddedPass:
+    """Run ``rows`` right-padded after ``prefix`` in a new fork (one pass, causal)."""
+    device = prefix.keys[0].device
+    ids, mask, lengths = pad_rows(rows, device)  # [B, S], [B, S], [B]
+    batch = len(rows)
+    cache = prefix.fork(batch)
+    past = torch.ones(batch, prefix.length, dtype=torch.bool, device=device)  # [B, P]
+    hidden = forward_rows(model, cache, ids, mask, torch.full((batch,), prefix.length, device=device), past)  # [B, S, H]
+    last = hidden[torch.arange(batch, device=device), lengths - 1]  # [B, H]
+    return PaddedPass(cache, torch.cat([past, mask], dim=1), lengths, last)
 
 
 @torch.inference_mode()
