@@ -225,11 +225,12 @@ def test_pool_metrics_evictions_and_budget(loaded, task, extract_task):
 
 def test_deleting_a_pinned_task_unpins_its_prefix(loaded, task):
     pinned = parse_task(TASK_YAML.replace("name: tiny-tickets", "name: tiny-pinned") + "pin: true\n", "pinned.yaml")
-    with serving(loaded, [task, pinned]) as server:  # pinning is the operator's: a start-up task
-        held = metric_samples(server)
-        assert call(server, "DELETE", "/v1/tasks/tiny-pinned")[0] == 204
+    admin = {"Authorization": "Bearer admin-key"}  # a start-up task: only the admin key may delete it
+    with serving(loaded, [task, pinned], admin_key="admin-key") as server:  # pinning is the operator's: a start-up task
+        held = metric_samples(server, admin)
+        assert call(server, "DELETE", "/v1/tasks/tiny-pinned", headers=admin)[0] == 204
         deadline = time.monotonic() + 10
-        while metric(samples := metric_samples(server), "prefixcache_pool_pinned") and time.monotonic() < deadline:
+        while metric(samples := metric_samples(server, admin), "prefixcache_pool_pinned") and time.monotonic() < deadline:
             time.sleep(0.05)  # the unpin runs on the model thread, after the DELETE answered
     assert metric(held, "prefixcache_pool_pinned") == 1
     assert metric(held, "prefixcache_pool_entries") == 1, "the same prefix tokens share one pool entry"

@@ -144,6 +144,10 @@ class TaskUploadError(ServerError):
     """An uploaded task cannot be served (name mismatch, prefix too long, unsupported kind or media type)."""
 
 
+class ReadOnlyTaskError(ServerError):
+    """A request would replace or delete a start-up task, and does not act for the operator (the admin key)."""
+
+
 class QueueFullError(ServerError):
     """The model's queue is full. ``retry_after`` is a whole number of seconds to wait."""
 

@@ -44,7 +44,8 @@ def serve(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run a model repository's own code (only for models you trust)."),
     log_level: str = typer.Option(DEFAULT_LOG_LEVEL, "--log-level", help=f"uvicorn log level: {', '.join(LOG_LEVELS)}."),
 ):
-    """Serve tasks over HTTP with micro-batching (FastAPI on uvicorn). Set PREFIXCACHE_API_KEY to require a key.
+    """Serve tasks over HTTP with micro-batching (FastAPI on uvicorn). Set PREFIXCACHE_API_KEY to require a key,
+    and PREFIXCACHE_ADMIN_KEY to keep task changes and /metrics to the operator (start-up tasks are read-only to clients).
 
     Needs the 'serve' extra: pip install 'prefixcache[serve]'.
     """

@@ -5,11 +5,13 @@ pass a tiny in-process model and the CLI passes the one ``--model`` names.
 The app builds every task's prefix on start-up (before it accepts requests)
 and serves until shut down.
 
-Routes (all but ``/healthz`` and the web page need the API key when one is set):
+Routes (all but ``/healthz`` and the web page need the client key, ``PREFIXCACHE_API_KEY``, when one is
+set; those marked *admin* need the admin key, ``PREFIXCACHE_ADMIN_KEY``, when one is set, and the client key
+gets 403 there; start-up tasks can be replaced or deleted only with the admin key):
 
 * ``POST /v1/classify``, ``POST /v1/extract``: items in, one result per item out, in order;
-* ``GET /v1/tasks``, ``PUT /v1/tasks/{name}`` (YAML or JSON body), ``DELETE /v1/tasks/{name}``;
-* ``GET /v1/stats`` (the web page's live figures), ``GET /metrics`` (Prometheus);
+* ``GET /v1/tasks``, ``PUT /v1/tasks/{name}`` (YAML or JSON body; admin), ``DELETE /v1/tasks/{name}`` (admin);
+* ``GET /v1/stats`` (the web page's live figures), ``GET /metrics`` (Prometheus; admin);
 * ``GET /healthz``, ``GET /`` (the web page), ``GET /docs`` (OpenAPI).
 """
 
@@ -25,20 +27,23 @@ from importlib import resources
 from typing import Sequence
 
 from fastapi import FastAPI, Path, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import (
-    InputError, ItemError, PoolBudgetError, PrefixCacheError, PromptError, QueueFullError, RequestLimitError,
+    InputError, ItemError, PoolBudgetError, PrefixCacheError, PromptError, QueueFullError, ReadOnlyTaskError,
+    RequestLimitError,
     ShuttingDownError, TaskError, TaskUploadError, UnknownTaskError, WrongTaskKindError, neutral_spelling,
 )
 from ..model.load import LoadedModel
 from ..spec.task import ExtractTask, Task, parse_task
 from .prometheus import Metrics
-from .middleware import PUBLIC_PATHS, BearerAuth, BodyLimit, RequestMetrics
+from .middleware import PUBLIC_PATHS, ROLE, BearerAuth, BodyLimit, RequestMetrics, admin_only
 from .runners import RUNNER_KINDS
 from .schemas import (
     ClassifyResponse, ErrorOut, ExtractResponse, Health, ItemsRequest, Stats, TaskInfo, TaskList, UsageOut,
+    validation_error_body,
 )
 from .service import Service
 from .settings import ServerSettings
@@ -46,6 +51,7 @@ from .settings import ServerSettings
 TASK_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 TASK_MEDIA_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "application/json", "text/plain")
 ERRORS = {code: {"model": ErrorOut} for code in (401, 404, 413, 422, 429)}  # 422: a message, or FastAPI's field list
+FORBIDDEN = {403: {"model": ErrorOut, "description": "The client key where the admin key is needed, or a start-up task."}}
 
 
 def create_app(
@@ -75,8 +81,9 @@ def create_app(
     app.state.settings = settings
     _routes(app, service)
     app.add_exception_handler(PrefixCacheError, _error_response)
+    app.add_exception_handler(RequestValidationError, _validation_response)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(BearerAuth, key=settings.api_key)
+    app.add_middleware(BearerAuth, key=settings.api_key, admin_key=settings.admin_key)
     app.add_middleware(RequestMetrics, metrics=metrics)  # added last: outermost, so it sees 401s and 413s
     app.openapi = _openapi_with_bearer(app)
     return app
@@ -105,9 +112,10 @@ def _service_routes(app: FastAPI, service: Service) -> None:
             return Health(status="batching stopped", tasks=len(service.tasks()))
         return Health(status="ok", tasks=len(service.tasks()))
 
-    @app.get("/metrics", tags=["service"], response_class=Response)
+    @app.get("/metrics", tags=["service"], response_class=Response, responses=FORBIDDEN)
     def metrics() -> Response:  # sync: runs on a worker thread, since reading the pool waits for a prefix build
-        """Prometheus text format: requests, items, latencies, batch sizes, queue depth, prefix and pool counters."""
+        """Prometheus text format: requests, items, latencies, batch sizes, queue depth, prefix and pool counters.
+        Needs the admin key when one is set."""
         return Response(service.metrics.exposition(), media_type=service.metrics.content_type)
 
     @app.get("/v1/stats", response_model=Stats, tags=["service"])
@@ -147,6 +155,7 @@ def _task_routes(app: FastAPI, service: Service) -> None:
         response_model=TaskInfo,
         status_code=201,
         tags=["tasks"],
+        responses=FORBIDDEN,
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -165,19 +174,23 @@ def _task_routes(app: FastAPI, service: Service) -> None:
         """Register (201) or replace (200) a task from a YAML or JSON task body, and build its prefix.
 
         The body is the task itself, parsed as text: it can name no file, and nothing in it is read from disk.
-        Requests already accepted for a replaced task finish with the old version.
+        Requests already accepted for a replaced task finish with the old version. Needs the admin key when
+        one is set; a start-up task can be replaced only with it (403 otherwise).
         """
+        operator = request.scope.get(ROLE) == "admin"
+        service.check_writable(name, operator)  # before the body is parsed: a start-up task is refused whatever it holds
         body = await request.body()
         # parsed on a worker thread: a large or pathological task file must not hold up the event loop
         task = await run_in_threadpool(_parse_upload, name, request.headers.get("content-type", ""), body)
-        runner, created = await service.register(task)
+        runner, created = await service.register(task, operator=operator)
         response.status_code = 201 if created else 200
         return TaskInfo(**runner.describe())
 
-    @app.delete("/v1/tasks/{name}", status_code=204, tags=["tasks"], response_class=Response)
-    async def delete_task(name: str = Path(pattern=TASK_NAME, max_length=128)) -> Response:
-        """Unregister a task and drop its prefix. Requests already accepted for it still finish."""
-        service.remove(name)
+    @app.delete("/v1/tasks/{name}", status_code=204, tags=["tasks"], response_class=Response, responses=FORBIDDEN)
+    async def delete_task(request: Request, name: str = Path(pattern=TASK_NAME, max_length=128)) -> Response:
+        """Unregister a task and drop its prefix. Requests already accepted for it still finish.
+        Needs the admin key when one is set; a start-up task can be deleted only with it (403 otherwise)."""
+        service.remove(name, operator=request.scope.get(ROLE) == "admin")
         return Response(status_code=204)
 
 
@@ -211,6 +224,11 @@ async def _error_response(request: Request, exc: PrefixCacheError) -> JSONRespon
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+async def _validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A body that breaks the schema: 422 with FastAPI's list of errors, made safe to send (NaN, lone surrogates)."""
+    return JSONResponse(validation_error_body(exc.errors()), status_code=422)
+
+
 # A library setting named in an error (``errors.setting``) as an HTTP client can act on it: a field of the task
 # it uploads, or a setting the server was started with (the operator's to change).
 TASK_FIELDS = {"head": "head"}
@@ -231,6 +249,7 @@ def http_spelling(name: str, value: str | None = None) -> str:
 STATUS: tuple[tuple[type[PrefixCacheError], int], ...] = (
     (UnknownTaskError, 404),
     ((WrongTaskKindError, ItemError, RequestLimitError, TaskUploadError), 422),
+    (ReadOnlyTaskError, 403),
     (QueueFullError, 429),
     (ShuttingDownError, 503),
     ((TaskError, PromptError, InputError), 422),
@@ -266,10 +285,23 @@ def _openapi_with_bearer(app: FastAPI):
             for path in PUBLIC_PATHS & set(schema["paths"]):
                 for operation in schema["paths"][path].values():
                     operation["security"] = []
+            if app.state.settings.admin_key is not None:
+                _declare_admin_key(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 
     return openapi
+
+
+def _declare_admin_key(schema: dict) -> None:
+    """Declare the admin key's scheme, and require it on the admin-only operations (``middleware.admin_only``)."""
+    schema["components"]["securitySchemes"]["admin"] = {
+        "type": "http", "scheme": "bearer", "description": "The admin key (PREFIXCACHE_ADMIN_KEY).",
+    }
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            if admin_only(method.upper(), path):
+                operation["security"] = [{"admin": []}]
 
 
 def _version() -> str:

@@ -5,9 +5,12 @@ Each is a plain ASGI wrapper, so it also covers routes FastAPI builds itself
 
 * :class:`RequestMetrics` times every request and counts it by route template
   (``/v1/tasks/{name}``, never the raw path, so labels stay bounded) and status.
-* :class:`BearerAuth`: when a key is configured, every path but the public
-  ones needs ``Authorization: Bearer <key>``, compared in constant time;
-  anything else gets 401 before the body is read.
+* :class:`BearerAuth`: two keys, each compared in constant time. When the client
+  key is configured, every path but the public ones needs ``Authorization: Bearer
+  <key>`` (the client key or the admin key). When the admin key is configured,
+  the admin paths (:func:`admin_only`) need it: the client key gets 403 there, no
+  key or a wrong one 401. Either answer comes before the body is read. The caller's
+  role goes into the scope (:data:`ROLE`) for the routes.
 * :class:`BodyLimit`: bodies over ``max_bytes`` get 413, whether announced by
   ``Content-Length`` or streamed in chunks; the app sees a body only once it
   is known to fit.
@@ -21,11 +24,16 @@ import time
 from typing import Awaitable, Callable
 
 from .prometheus import Metrics
+from .settings import ADMIN_KEY_ENV
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+ROLE = "prefixcache.role"
+"""The scope key of the caller's role: ``"admin"`` (it sent the admin key, and one is configured),
+``"client"`` (it sent the client key) or None (no key, or no key is configured)."""
 
 PUBLIC_PATHS = frozenset({"/healthz", "/"})
 """Paths open without a key: the health check, and the static web page (a browser cannot attach a
@@ -71,31 +79,56 @@ class RequestMetrics:
             self.metrics.record_request(scope["method"], template, status["code"], time.perf_counter() - started)
 
 
-class BearerAuth:
-    """Require ``Authorization: Bearer <key>`` on every non-public path when ``key`` is set."""
+def admin_only(method: str, path: str) -> bool:
+    """The paths that need the admin key when one is configured: registering, replacing and deleting
+    tasks (``PUT``/``DELETE /v1/tasks/...``), and the Prometheus metrics."""
+    return path.rstrip("/") == "/metrics" or (method in ("PUT", "DELETE") and path.startswith("/v1/tasks/"))
 
-    def __init__(self, app: ASGIApp, key: str | None):
+
+class BearerAuth:
+    """Require the client ``key`` (or the ``admin_key``) on every non-public path when ``key`` is set, and
+    the ``admin_key`` on the :func:`admin_only` paths when it is set. Sets ``scope[ROLE]``."""
+
+    def __init__(self, app: ASGIApp, key: str | None, admin_key: str | None = None):
         self.app = app
         self.key = key.encode() if key else None
+        self.admin_key = admin_key.encode() if admin_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key is None or scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or self._authorized(scope):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        await send_json(
-            send, 401, {"detail": "missing or wrong API key: send 'Authorization: Bearer <key>'"},
-            [(b"www-authenticate", b'Bearer realm="prefixcache"')],
-        )
+        role = scope[ROLE] = self._role(scope)
+        if scope["path"] in PUBLIC_PATHS:
+            allowed = True
+        elif self.admin_key is not None and admin_only(scope["method"], scope["path"]):
+            allowed = role == "admin"
+        else:
+            allowed = self.key is None or role is not None
+        if allowed:
+            await self.app(scope, receive, send)
+        elif role == "client":
+            detail = (f"this needs the admin key ({ADMIN_KEY_ENV}): registering, replacing and deleting tasks "
+                      "and reading /metrics are the operator's; the client key classifies and extracts")
+            await send_json(send, 403, {"detail": detail})
+        else:
+            await send_json(
+                send, 401, {"detail": "missing or wrong API key: send 'Authorization: Bearer <key>'"},
+                [(b"www-authenticate", b'Bearer realm="prefixcache"')],
+            )
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _role(self, scope: Scope) -> str | None:
         header = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 header = value
                 break
         scheme, _, token = header.partition(b" ")
-        # compare_digest runs in time independent of where the strings differ
-        return hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
+        token = token.strip() if scheme.lower() == b"bearer" else b""
+        # compare_digest runs in time independent of where the strings differ; both keys are always compared
+        admin = self.admin_key is not None and hmac.compare_digest(token, self.admin_key)
+        client = self.key is not None and hmac.compare_digest(token, self.key)
+        return "admin" if admin else "client" if client else None
 
 
 class BodyLimit:

@@ -8,19 +8,27 @@ Two families describe prefixes:
 * per task (``task`` label): ``prefixcache_prefix_bytes`` / ``..._tokens``,
   ``..._builds_total`` (registrations), ``..._hits_total`` (items run over the
   stored prefix), ``..._misses_total`` (items re-encoded in full at a token
-  boundary) and ``..._evictions_total`` (the task deleted or replaced);
+  boundary) and ``..._evictions_total`` (the task's prefix replaced by a new version);
 * the prefix pool's own counters, read from ``PrefixPool.stats()`` at each
   scrape (:meth:`Metrics.watch_pool`): ``prefixcache_pool_hits_total`` (lookups
   answered from memory), ``..._misses_total`` (lookups that built the prefix),
   ``..._evictions_total``, ``prefixcache_pool_bytes`` (held), ``..._budget_bytes``,
   ``..._entries``, ``..._pinned`` and the prefill tokens saved and computed.
+
+A task's labelled series (those above, ``prefixcache_items_total`` and the per-task pass histograms) exist
+exactly while it is registered: :meth:`Metrics.record_removed` removes every one of them, counters included,
+so the series do not grow with every task ever registered. A replaced task keeps its series (the name is
+still served), except those labelled with a kind the new version no longer has. A pass that finishes
+after its task was deleted (requests accepted before the DELETE still finish), or that ran a replaced
+version of another kind, counts in the totals and the unlabelled series only. Passes under a name that
+was never registered as a task (the OpenAI-compatible routes' ``openai``) are labelled as they come.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -29,6 +37,10 @@ from prometheus_client.registry import Collector
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 RATE_WINDOW_S = 10.0
+DELETED_KEPT = 4096
+"""Deleted task names remembered (oldest forgotten first), so a pass that finishes after its task's DELETE
+recreates no series. Only a task deleted while its pass ran needs remembering, and forgetting one would take
+4,096 other deletions during that pass (of tasks registered before it: a registration waits for the model)."""
 
 
 class Metrics:
@@ -70,13 +82,18 @@ class Metrics:
             "prefixcache_prefix_misses", "Items re-encoded in full (token boundary fallback).", ["task"], registry=r
         )
         self.prefix_evictions = Counter(
-            "prefixcache_prefix_evictions", "Prefixes dropped (task deleted or replaced).", ["task"], registry=r
+            "prefixcache_prefix_evictions", "Prefixes dropped by replacing the task.", ["task"], registry=r
         )
         self.tasks = Gauge("prefixcache_tasks", "Registered tasks.", registry=r)
         self._lock = threading.Lock()
         self._done: deque[tuple[float, int]] = deque()  # (monotonic time, items) of recent passes
         self._totals = {"items": 0, "hits": 0, "misses": 0, "batches": 0, "requests": 0}
-        self._with_prefix: set[str] = set()  # tasks whose prefix gauges are set
+        self._kinds: dict[str, str] = {}  # each registered task's kind
+        self._deleted: OrderedDict[str, None] = OrderedDict()  # deleted, not registered since (DELETED_KEPT)
+        self._per_task = (  # every metric labelled by task alone
+            self.batch_size, self.batch_seconds, self.prefix_bytes, self.prefix_tokens, self.prefix_builds,
+            self.prefix_hits, self.prefix_misses, self.prefix_evictions,
+        )
 
     def watch_pool(self, pool) -> None:
         """Expose ``pool``'s counters (a :class:`~prefixcache.cache.pool.PrefixPool`), read at every scrape.
@@ -95,15 +112,20 @@ class Metrics:
             self._totals["requests"] += 1
 
     def record_batch(self, task: str, kind: str, size: int, hits: int, seconds: float) -> None:
-        """One forward pass of ``size`` items, ``hits`` of them over the stored prefix."""
-        self.items.labels(task, kind).inc(size)
-        self.batch_size.labels(task).observe(size)
-        self.batch_seconds.labels(task).observe(seconds)
-        self.prefix_hits.labels(task).inc(hits)
-        if size - hits:
-            self.prefix_misses.labels(task).inc(size - hits)
+        """One forward pass of ``size`` items, ``hits`` of them over the stored prefix.
+
+        The task's labelled series count it unless ``task`` was deleted, or is now registered with
+        another kind (:meth:`record_prefix`); the totals and unlabelled series always do.
+        """
         now = time.monotonic()
-        with self._lock:
+        with self._lock:  # held across the labelled updates, so a concurrent record_removed cannot be undone
+            if task not in self._deleted and self._kinds.get(task, kind) == kind:
+                self.items.labels(task, kind).inc(size)
+                self.batch_size.labels(task).observe(size)
+                self.batch_seconds.labels(task).observe(seconds)
+                self.prefix_hits.labels(task).inc(hits)
+                if size - hits:
+                    self.prefix_misses.labels(task).inc(size - hits)
             self._done.append((now, size))
             self._trim(now)
             self._totals["items"] += size
@@ -111,26 +133,35 @@ class Metrics:
             self._totals["misses"] += size - hits
             self._totals["batches"] += 1
 
-    def record_prefix(self, task: str, tokens: int, nbytes: int, replaced: bool) -> None:
-        """A prefix was built for ``task`` (``replaced``: it took the place of an older one)."""
-        for counter in (self.prefix_hits, self.prefix_misses, self.prefix_evictions):
-            counter.labels(task)  # expose the series at 0 from the start
-        self.prefix_builds.labels(task).inc()
-        self.prefix_tokens.labels(task).set(tokens)
-        self.prefix_bytes.labels(task).set(nbytes)
+    def record_prefix(self, task: str, kind: str, tokens: int, nbytes: int, replaced: bool) -> None:
+        """Task ``task`` of ``kind`` was registered and its prefix built (``replaced``: it took the place of an
+        older version, whose series of another kind are removed)."""
         with self._lock:
-            self._with_prefix.add(task)
-        if replaced:
-            self.prefix_evictions.labels(task).inc()
+            old_kind = self._kinds.get(task)
+            self._kinds[task] = kind
+            self._deleted.pop(task, None)
+            if old_kind is not None and old_kind != kind:
+                self.items.remove(task, old_kind)
+            for counter in (self.prefix_hits, self.prefix_misses, self.prefix_evictions):
+                counter.labels(task)  # expose the series at 0 from the start
+            self.prefix_builds.labels(task).inc()
+            self.prefix_tokens.labels(task).set(tokens)
+            self.prefix_bytes.labels(task).set(nbytes)
+            if replaced:
+                self.prefix_evictions.labels(task).inc()
 
     def record_removed(self, task: str) -> None:
-        self.prefix_evictions.labels(task).inc()
+        """Task ``task`` was deleted: remove every series labelled with it, from every metric (counters too)."""
         with self._lock:
-            had_prefix = task in self._with_prefix
-            self._with_prefix.discard(task)
-        if had_prefix:
-            self.prefix_tokens.remove(task)
-            self.prefix_bytes.remove(task)
+            kind = self._kinds.pop(task, None)
+            self._deleted[task] = None
+            self._deleted.move_to_end(task)
+            if len(self._deleted) > DELETED_KEPT:
+                self._deleted.popitem(last=False)
+            for metric in self._per_task:
+                metric.remove(task)
+            if kind is not None:
+                self.items.remove(task, kind)
 
     # --- reading ---------------------------------------------------------------------------------
 

@@ -4,17 +4,70 @@ An item is either a plain string (its ``text``) or an object with an optional
 ``id``, and the record fields the task's ``input_template`` reads (``text``
 and any others). Items therefore allow extra keys, but only scalar values
 (string or number): nothing nested, nothing that could smuggle structure.
+
+Every text must be valid Unicode (a lone surrogate, JSON's ``"\\ud800"``, is refused: UTF-8 cannot carry
+it back and the tokenizer cannot take it), and every number finite (Python's JSON reader takes ``NaN`` and
+``Infinity``; JSON itself has neither). Such values answer 422 naming the field, never 500.
+
+A 422 for a body that breaks the schema is FastAPI's list of errors made safe to send
+(:func:`validation_error_body`): each keeps ``type``, ``loc`` and ``msg`` and gains ``field``
+(``items[2].text``); the echoed ``input`` and ``ctx`` are left out.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+import math
+from typing import Annotated, Any, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, PlainValidator, Tag, WithJsonSchema
 
 from ..types import Record
 
 Scalar = Union[str, int, float]
+
+
+def _valid_text(value: str) -> str:
+    """``value``, if UTF-8 can carry it. Raises ValueError naming the first lone surrogate."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"is not valid Unicode: a lone surrogate ({safe_text(value[exc.start])}) at character {exc.start}; "
+            "send the character itself, or a surrogate pair"
+        ) from None
+    return value
+
+
+def _valid_id(value: object) -> str | int | None:
+    """An item's id: valid text, an integer (an integral float such as 3.0 reads as 3), or null."""
+    if value is None:
+        return None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError(f"must be a string or an integer, not {_kind(value)}")
+    return _valid_text(value) if isinstance(value, str) else value
+
+
+def _valid_field(value: object) -> str | int | float:
+    """A record field beside ``text``: valid text, an integer or a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"must be a string or a number, not {_kind(value)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"must be a finite number, not {value}")
+    return _valid_text(value) if isinstance(value, str) else value
+
+
+def _kind(value: object) -> str:
+    return {float: "a number that is not finite or whole", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+Text = Annotated[str, AfterValidator(_valid_text)]
+ItemId = Annotated[
+    Union[str, int, None], PlainValidator(_valid_id),
+    WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]}),
+]
+FieldValue = Annotated[Scalar, PlainValidator(_valid_field)]
 
 
 class Item(BaseModel):
@@ -22,15 +75,11 @@ class Item(BaseModel):
 
     model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": {"type": ["string", "number"]}})
 
-    id: str | int | None = Field(default=None, description="Echoed back; defaults to the item's 0-based position.")
-    text: str | None = Field(default=None, description="The record's text (most tasks' template reads {text}).")
+    __pydantic_extra__: dict[str, FieldValue]  # each extra field is checked under its own name (loc); pydantic
+    # itself refuses a field name that is not valid Unicode
 
-    @model_validator(mode="after")
-    def _extra_fields_are_scalars(self) -> Item:
-        for key, value in (self.model_extra or {}).items():
-            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-                raise ValueError(f"field {key!r} must be a string or a number, not {type(value).__name__}")
-        return self
+    id: ItemId = Field(default=None, description="Echoed back; defaults to the item's 0-based position.")
+    text: Text | None = Field(default=None, description="The record's text (most tasks' template reads {text}).")
 
     def to_record(self, position: int) -> Record:
         fields: dict[str, Any] = dict(self.model_extra or {})
@@ -43,7 +92,7 @@ def _item_kind(value: object) -> str:
     return "text" if isinstance(value, str) else "object"
 
 
-AnyItem = Annotated[Union[Annotated[str, Tag("text")], Annotated[Item, Tag("object")]], Discriminator(_item_kind)]
+AnyItem = Annotated[Union[Annotated[Text, Tag("text")], Annotated[Item, Tag("object")]], Discriminator(_item_kind)]
 """A string or an :class:`Item`; validation errors point at ``items.<i>.text`` or ``items.<i>.object.<field>``."""
 
 
@@ -52,7 +101,7 @@ class ItemsRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    task: str = Field(min_length=1, description="A registered task's name (GET /v1/tasks).")
+    task: Text = Field(min_length=1, description="A registered task's name (GET /v1/tasks).")
     items: list[AnyItem] = Field(min_length=1, description="Strings, or objects with id and fields.")
 
     def records(self) -> list[Record]:
@@ -162,3 +211,41 @@ class ErrorOut(BaseModel):
 
     detail: str | list[dict[str, Any]]
     item: int | None = Field(default=None, description="0-based index of the item at fault, when one is.")
+
+
+LOCATIONS = ("body", "query", "path", "header", "cookie")
+
+
+def validation_error_body(errors: Sequence[dict]) -> dict:
+    """The 422 body for FastAPI's ``RequestValidationError.errors()``, safe to encode whatever was sent.
+
+    Each error keeps ``type``, ``loc`` and ``msg`` and gains ``field`` (:func:`field_name`). The echoed
+    ``input`` and ``ctx`` are dropped: they may hold NaN (which JSON cannot carry), a lone surrogate (which
+    UTF-8 cannot) or most of a large body. Strings in ``loc`` and ``msg`` are made valid text (:func:`safe_text`).
+    """
+    detail = []
+    for error in errors:
+        loc = [part if isinstance(part, int) else safe_text(str(part)) for part in error.get("loc", ())]
+        field = "body" if error.get("type") == "json_invalid" else field_name(loc)
+        detail.append({"type": error.get("type"), "loc": loc, "msg": safe_text(str(error.get("msg", ""))), "field": field})
+    return {"detail": detail}
+
+
+def field_name(loc: Sequence[str | int]) -> str:
+    """``("body", "items", 2, "object", "text")`` -> ``items[2].text``: the place (``body``, ``path``, ...) and
+    the tag that says an item was read as an object are left out; indices are bracketed."""
+    parts = list(loc[1:] if loc and loc[0] in LOCATIONS else loc)
+    name = ""
+    for i, part in enumerate(parts):
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif part == "object" and i >= 2 and isinstance(parts[i - 1], int) and parts[i - 2] == "items":
+            continue
+        else:
+            name += f".{part}" if name else str(part)
+    return name or (str(loc[0]) if loc else "body")
+
+
+def safe_text(text: str) -> str:
+    """``text`` with any lone surrogate written as its escape (``\\ud800``), so that UTF-8 can carry it."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

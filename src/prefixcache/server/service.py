@@ -14,6 +14,9 @@ budget ``settings.cache_budget_bytes``, LRU eviction). Runners look their prefix
 up once per pass, on the model thread, so an evicted prefix is rebuilt when its
 task is next used; tasks with the same prefix tokens share one entry.
 
+The tasks given to ``start`` are the operator's *start-up tasks*: only a caller acting for the operator
+(``operator=True``: the HTTP app passes it for the admin key) may replace or delete them.
+
 A task is replaced or deleted by swapping the registry entry. Requests accepted
 before the swap finish on the runner they were accepted for (the batcher keys
 its queues by runner, not by name), so no request ever mixes two versions of a task. The pool entry of a
@@ -33,7 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..errors import PoolBudgetError, RequestLimitError, TaskUploadError, UnknownTaskError, WrongTaskKindError
+from ..errors import (
+    PoolBudgetError, ReadOnlyTaskError, RequestLimitError, TaskUploadError, UnknownTaskError, WrongTaskKindError,
+)
 from ..model.load import LoadedModel
 from ..cache.pool import PoolConfig, PrefixPool
 from ..types import Record
@@ -41,7 +46,7 @@ from ..spec.task import ExtractTask, Task
 from .batcher import MicroBatcher
 from .prometheus import Metrics
 from .runners import TaskRunner, build_runner, reused_prefix_tokens
-from .settings import ServerSettings
+from .settings import ADMIN_KEY_ENV, ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,7 @@ class Service:
         self.pool = PrefixPool(PoolConfig(budget_bytes=settings.cache_budget_bytes))  # used on the model thread only
         metrics.watch_pool(self.pool)
         self._runners: dict[str, TaskRunner] = {}
+        self._startup: set[str] = set()  # the registered tasks that are start-up tasks (not replaced since)
 
     async def start(self, tasks: Sequence[Task | ExtractTask]) -> None:
         for task in tasks:
@@ -111,16 +117,21 @@ class Service:
             )
         return runner
 
-    async def register(self, task: Task | ExtractTask, uploaded: bool = True) -> tuple[TaskRunner, bool]:
+    async def register(
+        self, task: Task | ExtractTask, uploaded: bool = True, operator: bool = False
+    ) -> tuple[TaskRunner, bool]:
         """Build ``task``'s runner (and prefix) on the model thread, then swap it in.
 
         An ``uploaded`` task's prefix may not exceed ``settings.max_prefix_tokens`` and may not be
         pinned (a pinned prefix is never evicted, so uploads could fill the pool and starve every
         other task); the operator's start-up tasks have neither limit.
+        An upload may replace a start-up task only for the ``operator`` (it is then an uploaded task).
         Returns the runner and whether the name is new. Raises what ``build_runner`` raises
-        (for an uploaded task, a prefix that cannot fit in the pool is a TaskUploadError) and
-        TaskUploadError for an uploaded ``pin: true``.
+        (for an uploaded task, a prefix that cannot fit in the pool is a TaskUploadError),
+        TaskUploadError for an uploaded ``pin: true``, and ReadOnlyTaskError (:meth:`check_writable`).
         """
+        if uploaded:
+            self.check_writable(task.name, operator)
         if uploaded and task.pin:
             raise TaskUploadError(
                 f"task {task.name!r}: field 'pin': only the tasks the server starts with may pin their prefix "
@@ -139,20 +150,31 @@ class Service:
         created = task.name not in self._runners
         old = self._runners.get(task.name)
         self._runners[task.name] = runner
+        (self._startup.discard if uploaded else self._startup.add)(task.name)
         if old is not None:
             self._release(old)
-        self.metrics.record_prefix(task.name, runner.prefix_tokens, runner.prefix_bytes, replaced=not created)
+        self.metrics.record_prefix(task.name, runner.kind, runner.prefix_tokens, runner.prefix_bytes, replaced=not created)
         self.metrics.tasks.set(len(self._runners))
         log.info("task %r %s: %d prefix tokens", task.name, "registered" if created else "replaced", runner.prefix_tokens)
         return runner, created
 
-    def remove(self, name: str) -> None:
-        """Drop task ``name``. Raises UnknownTaskError."""
+    def remove(self, name: str, operator: bool = False) -> None:
+        """Drop task ``name``. Raises UnknownTaskError, and ReadOnlyTaskError (:meth:`check_writable`)."""
         if name not in self._runners:
             raise UnknownTaskError(f"unknown task {name!r}: nothing to delete")
+        self.check_writable(name, operator)
         self._release(self._runners.pop(name))
+        self._startup.discard(name)
         self.metrics.record_removed(name)
         self.metrics.tasks.set(len(self._runners))
+
+    def check_writable(self, name: str, operator: bool) -> None:
+        """Raise ReadOnlyTaskError if ``name`` is a start-up task and the caller is not the ``operator``."""
+        if name in self._startup and not operator:
+            raise ReadOnlyTaskError(
+                f"task {name!r} was loaded at start-up and is read-only through the API: only the admin key "
+                f"({ADMIN_KEY_ENV}) may replace or delete it; register yours under another name"
+            )
 
     def _release(self, old: TaskRunner) -> None:
         """Let the pool evict a dropped runner's prefix: unpin it, unless a registered task still pins it.

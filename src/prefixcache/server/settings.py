@@ -1,8 +1,9 @@
 """Server settings: one frozen dataclass, the single source of every limit and default.
 
 The CLI's ``serve`` options read their defaults from here.
-The API key is never a command-line flag (it would show in ``ps``): it comes
-from ``PREFIXCACHE_API_KEY`` through :meth:`ServerSettings.from_env`.
+The two keys are never command-line flags (they would show in ``ps``): they come
+from ``PREFIXCACHE_API_KEY`` (the client key) and ``PREFIXCACHE_ADMIN_KEY`` (the
+admin key) through :meth:`ServerSettings.from_env`, and are never printed or logged.
 
 This module imports nothing heavy, so the CLI can read it without FastAPI.
 """
@@ -16,6 +17,7 @@ from ..errors import SettingsError
 from ..cache.config import PoolConfig
 
 API_KEY_ENV = "PREFIXCACHE_API_KEY"
+ADMIN_KEY_ENV = "PREFIXCACHE_ADMIN_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 DEFAULT_LOG_LEVEL = "info"
 
@@ -40,8 +42,13 @@ class ServerSettings:
             used prefixes are evicted, and rebuilt on their next use, to stay within it; the default is
             :class:`~prefixcache.cache.config.PoolConfig`'s, 256 MiB).
         method: label scoring method for every task (``auto``, ``first-token``, ``full``).
-        api_key: when set, every endpoint but ``/healthz`` and the static page needs
-            ``Authorization: Bearer <api_key>``. Never printed (``repr=False``).
+        api_key: the client key. When set, every endpoint but ``/healthz`` and the static page needs
+            ``Authorization: Bearer <api_key>`` (or the admin key). Never printed (``repr=False``).
+        admin_key: the admin key (the operator's). When set, registering, replacing and deleting tasks
+            (``PUT``/``DELETE /v1/tasks/{name}``) and ``GET /metrics`` need it (the client key gets 403
+            there), and only it may replace or delete a start-up task; it also works wherever the client
+            key does. Unset, start-up tasks cannot be replaced or deleted through the API at all.
+            Never printed (``repr=False``); must differ from ``api_key``.
     """
 
     host: str = "127.0.0.1"
@@ -57,6 +64,7 @@ class ServerSettings:
     cache_budget_bytes: int = PoolConfig.budget_bytes
     method: str = "auto"
     api_key: str | None = field(default=None, repr=False)
+    admin_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_items", "max_item_tokens", "max_body_bytes", "max_prefix_tokens",
@@ -72,8 +80,11 @@ class ServerSettings:
             raise SettingsError(
                 f"max_items ({self.max_items}) exceeds max_queue ({self.max_queue}): such a request could never be queued"
             )
-        if self.api_key is not None and not self.api_key.strip():
-            raise SettingsError(f"{API_KEY_ENV} is set but empty; unset it or give it a value")
+        for env, key in ((API_KEY_ENV, self.api_key), (ADMIN_KEY_ENV, self.admin_key)):
+            if key is not None and not key.strip():
+                raise SettingsError(f"{env} is set but empty; unset it or give it a value")
+        if self.admin_key is not None and self.admin_key == self.api_key:
+            raise SettingsError(f"{ADMIN_KEY_ENV} and {API_KEY_ENV} must differ: a client holding the one key would be admin")
 
     @property
     def max_wait_s(self) -> float:
@@ -85,12 +96,13 @@ class ServerSettings:
 
     @classmethod
     def from_env(cls, **overrides) -> ServerSettings:
-        """Settings with ``overrides`` (``None`` values are ignored) and the API key from the environment."""
+        """Settings with ``overrides`` (``None`` values are ignored) and both keys from the environment."""
         given = {k: v for k, v in overrides.items() if v is not None}
         unknown = set(given) - {f.name for f in fields(cls)}
         if unknown:
             raise SettingsError(f"unknown server settings: {', '.join(sorted(unknown))}")
         given.setdefault("api_key", os.environ.get(API_KEY_ENV) or None)
+        given.setdefault("admin_key", os.environ.get(ADMIN_KEY_ENV) or None)
         return cls(**given)
 
     def with_(self, **changes) -> ServerSettings:

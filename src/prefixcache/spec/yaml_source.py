@@ -1,10 +1,18 @@
 """Reading a task file's YAML: a safe loader that refuses duplicate keys, one parse for both the data and
 the node tree, and the line of a field in that tree (for errors that name the line).
 
+Scalars that YAML reads but Python cannot hold are refused as YAML errors naming the field and its line,
+never let through as a bare ``ValueError`` or into the tokenizer: an integer over Python's digit limit
+(``sys.get_int_max_str_digits()``, 4,300 by default), an impossible date or time (``2024-13-45``, a UTC
+offset of 99 hours) and text holding a lone surrogate (the escape ``"\\ud800"``, which UTF-8 cannot carry).
+
 Nothing here knows what a task is; :mod:`prefixcache.spec.task` validates the data.
 """
 
 from __future__ import annotations
+
+import datetime
+import sys
 
 import yaml
 
@@ -31,17 +39,92 @@ def _construct_mapping(loader: UniqueKeyLoader, node: yaml.MappingNode, deep: bo
     return loader.construct_mapping(node, deep=deep)
 
 
+class ScalarValueError(yaml.constructor.ConstructorError):
+    """A scalar Python cannot hold (see the module docstring). ``node`` is the scalar's node."""
+
+    def __init__(self, problem: str, node: yaml.Node):
+        super().__init__(None, None, problem, node.start_mark)
+        self.node = node
+
+
+def _construct_text(loader: UniqueKeyLoader, node: yaml.Node):
+    value = yaml.constructor.SafeConstructor.construct_scalar(loader, node)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ScalarValueError(
+                f"text with a lone surrogate ({_escaped(value[exc.start])}) at character {exc.start}, which is not "
+                "valid Unicode; write the character itself, or a surrogate pair", node
+            ) from None
+    return value
+
+
+def _construct_int(loader: UniqueKeyLoader, node: yaml.Node) -> int:
+    try:
+        return yaml.constructor.SafeConstructor.construct_yaml_int(loader, node)
+    except ValueError:
+        digits = sum(c.isdigit() for c in str(node.value))
+        raise ScalarValueError(
+            f"an integer of {digits} digits, over Python's limit of {sys.get_int_max_str_digits()} digits; "
+            "quote it to keep it as text", node
+        ) from None
+
+
+def _construct_timestamp(loader: UniqueKeyLoader, node: yaml.Node) -> datetime.date:
+    try:
+        return yaml.constructor.SafeConstructor.construct_yaml_timestamp(loader, node)
+    except (ValueError, OverflowError) as exc:
+        raise ScalarValueError(f"{str(node.value)!r} is not a valid date or time ({exc}); quote it to keep it as text",
+                               node) from None
+
+
+UniqueKeyLoader.construct_scalar = _construct_text  # every scalar's text (keys and values) passes through it
 UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+UniqueKeyLoader.add_constructor("tag:yaml.org,2002:timestamp", _construct_timestamp)
 
 
 def compose_and_construct(text: str) -> tuple[yaml.Node | None, object]:
-    """The YAML node tree (for line numbers) and the data built from that same tree: the text is parsed once."""
+    """The YAML node tree (for line numbers) and the data built from that same tree: the text is parsed once.
+
+    Raises yaml.YAMLError; a scalar Python cannot hold raises one whose ``problem`` names its field first
+    (``field 'labels.account': ...``).
+    """
     loader = UniqueKeyLoader(text)
     try:
         root = loader.get_single_node()
         return root, (loader.construct_document(root) if root is not None else None)
+    except ScalarValueError as exc:
+        path = path_of(root, exc.node)
+        if path:
+            exc.problem = f"field '{'.'.join(path)}': {exc.problem}"
+        raise
     finally:
         loader.dispose()
+
+
+def path_of(root: yaml.Node | None, target: yaml.Node) -> list[str]:
+    """The keys and indices from ``root`` down to ``target`` (a key's own node ends at that key), as text
+    that is always valid Unicode (a lone surrogate is written as its escape); [] when not found."""
+    stack: list[tuple[yaml.Node, list[str]]] = [(root, [])] if root is not None else []
+    while stack:  # iterative: a deeply nested tree must not overflow the stack
+        node, path = stack.pop()
+        if node is target:
+            return path
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                name = _escaped(str(getattr(key, "value", "?")))
+                if key is target:
+                    return path + [name]
+                stack.append((value, path + [name]))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((item, path + [str(i)]) for i, item in enumerate(node.value))
+    return []
+
+
+def _escaped(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def line_of(root: yaml.Node | None, loc: tuple) -> int | None:
