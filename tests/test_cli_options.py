@@ -36,6 +36,7 @@ ANY = {
     "--threads": ("0", "--threads", 2),
     "--cache-budget": ("12XB", "not a size", 2),
     "--cache-dir": ("{file}", "is a file", 2),
+    "--cache-dir-budget": ("12XB", "not a size", 2),
     "--kv-storage": ("int4", "--kv-storage must be one of", 2),
     "--eviction": ("random", "--eviction must be one of", 2),
     "--out": (f"{NOWHERE}/out.jsonl", "is not a folder", 2),

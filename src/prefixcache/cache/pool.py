@@ -41,7 +41,7 @@ from typing import Literal, Sequence
 
 import torch
 
-from ..errors import PoolBudgetError, setting
+from ..errors import CacheStoreError, PoolBudgetError, setting
 from ..model.load import LoadedModel
 from .config import PoolConfig, format_bytes
 from .disk import DiskStore, Expected
@@ -256,6 +256,8 @@ class PrefixPool:
         self._count.saved += entry.key.length
         self._policy.access(entry.key.digest)
         entry.pinned = entry.pinned or pin
+        if self.store is not None:  # a use of the prefix: the disk tier's LRU clock too
+            self.store.mark_used(entry.key.digest, self.storage.name)
         prefix = self.storage.unpack(entry.packed, loaded.dtype)
         return Lookup(prefix, entry.key, "memory", 0, entry.key.length, time.perf_counter() - started)
 
@@ -336,13 +338,23 @@ class PrefixPool:
 
     def _write(self, key: PrefixKey, packed: Packed, expected: Expected, name: str) -> None:
         try:
-            self.store.write(key.digest, self.storage.name, packed, expected, name)
-        except OSError as exc:
+            saved = self.store.write(key.digest, self.storage.name, packed, expected, name)
+        except (OSError, CacheStoreError) as exc:
             log.warning(
                 "could not write prefix %s to the cache folder %s (%s); it stays in memory only", key.digest[:12], self.store.root, exc
             )
             return
+        if saved.path is None:
+            log.warning(
+                "prefix %s takes %s, more than the cache folder %s's whole budget of %s: not saved there; raise the "
+                "folder's budget to keep it", key.digest[:12], format_bytes(saved.bytes), self.store.root,
+                format_bytes(saved.budget_bytes),
+            )
+            return
         self._count.disk_writes += 1
+        if saved.evicted:
+            log.info("cache folder %s: deleted %d least recently used files to stay within its budget of %s",
+                     self.store.root, len(saved.evicted), format_bytes(saved.budget_bytes))
 
 
 def _element_size(loaded: LoadedModel) -> int:

@@ -19,13 +19,18 @@ CacheDirArg = typer.Option(..., "--cache-dir", help="The folder given to --cache
 @cache_app.command("ls")
 @boundary
 def cache_ls(cache_dir: Path = CacheDirArg, as_json: bool = typer.Option(False, "--json", help="One JSON object per line.")):
-    """List stored prefixes with their manifests (headers only; data is not read)."""
-    files = DiskFolder(cache_dir, create=False).files()
+    """List stored prefixes with their manifests (headers only; data is not read), and the folder's budget
+    (with --json, on every line as budget_bytes, null for none)."""
+    folder = DiskFolder(cache_dir, create=False)
+    files, budget = folder.files(), folder.budget_bytes
     if as_json:
         for f in files:
-            print(json.dumps({"file": f.path.name, "bytes": f.size, "manifest": f.manifest and f.manifest.to_metadata(), "problem": f.problem}))
+            manifest = f.manifest and f.manifest.to_metadata()
+            line = {"file": f.path.name, "bytes": f.size, "manifest": manifest, "problem": f.problem, "budget_bytes": budget}
+            print(json.dumps(line))
         return
-    table = Table(title=f"{cache_dir}: {len(files)} stored prefixes, {format_bytes(sum(f.size for f in files))}")
+    limit = f"budget {format_bytes(budget)}" if budget else "no budget"
+    table = Table(title=f"{cache_dir}: {len(files)} stored prefixes, {format_bytes(sum(f.size for f in files))} ({limit})")
     for col in ("file", "task", "model", "dtype", "storage", "tokens", "size", "created"):
         table.add_column(col)
     for f in files:
@@ -40,6 +45,8 @@ def cache_ls(cache_dir: Path = CacheDirArg, as_json: bool = typer.Option(False, 
 @cache_app.command("clear")
 @boundary
 def cache_clear(cache_dir: Path = CacheDirArg):
-    """Delete every stored prefix in the folder (other files are left alone)."""
+    """Delete every stored prefix in the folder (other files and the folder's budget are kept).
+
+    Safe while other processes use the folder: it takes the folder's lock, and a save in progress lands after it."""
     cleared = DiskFolder(cache_dir, create=False).clear()
     err.print(f"removed {cleared.files} stored prefixes ({format_bytes(cleared.bytes)}) from {cache_dir}")

@@ -12,10 +12,10 @@ import typer
 from ..io.journal import ON_ERROR
 from ..types import DEFAULT_WORKERS, METHODS, MODES, OVERFLOW, RunConfig
 from .boundary import boundary, choice, err, flag, given, open_output, output_path
-from .loading import check_text_field, make_pool, progress, setup_classifier
+from .loading import check_text_field, make_pool, progress, record_folder_budget, setup_classifier
 from .options import (
-    RUN, BatchOpt, CacheBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, HeadOpt, IdFieldOpt, KVStorageOpt, MethodOpt, ModelOpt,
-    ModeOpt, TaskOpt, TextFieldOpt,
+    RUN, BatchOpt, CacheBudgetOpt, CacheDirBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, HeadOpt, IdFieldOpt, KVStorageOpt,
+    MethodOpt, ModelOpt, ModeOpt, TaskOpt, TextFieldOpt,
 )
 from .reports import report_pool
 
@@ -47,6 +47,7 @@ def classify(
     ),
     cache_budget: Optional[str] = CacheBudgetOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
+    cache_dir_budget: Optional[str] = CacheDirBudgetOpt,
     kv_storage: str = KVStorageOpt,
     eviction: str = EvictionOpt,
     on_error: str = typer.Option(ON_ERROR[0], "--on-error", help="A failed record: skip (error line, go on) or fail (stop there)."),
@@ -71,12 +72,13 @@ def classify(
     policy = choice(on_error, ON_ERROR, "--on-error")
     check_ray_options(ctx, ray, input, policy)
     if ray:
+        record_folder_budget(cache_dir_budget, cache_dir)  # the workers honour the folder's recorded budget
         return classify_on_ray(input, task_with_head(task, head), model, config, method, text_field, id_field, out_path,
                                dtype, threads, cache_dir, ray_address, workers, num_gpus)
     if resume and out_path is None:
         raise typer.BadParameter("--resume needs --out: the output file is what it resumes")
     output_path(out_path, "--out")
-    cache = (cache_budget, cache_dir, kv_storage, eviction)
+    cache = (cache_budget, cache_dir, kv_storage, eviction, cache_dir_budget)
     classify_here(input, task, model, config, method, text_field, id_field, out_path, dtype, threads, cache, policy, resume,
                   head)
 

@@ -13,8 +13,8 @@ from ..types import DEFAULT_EXTRACT_TASK, MODES, RunConfig
 from .boundary import boundary, choice, err, open_output, output_path
 from .loading import check_text_field, make_pool, progress, setup_extractor
 from .options import (
-    BatchOpt, CacheBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, IdFieldOpt, InputArg, KVStorageOpt, ModelOpt, ModeOpt,
-    TextFieldOpt, ThreadsOpt,
+    BatchOpt, CacheBudgetOpt, CacheDirBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, IdFieldOpt, InputArg, KVStorageOpt,
+    ModelOpt, ModeOpt, TextFieldOpt, ThreadsOpt,
 )
 from .reports import report_pool
 
@@ -34,6 +34,7 @@ def extract(
     threads: Optional[int] = ThreadsOpt,
     cache_budget: Optional[str] = CacheBudgetOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
+    cache_dir_budget: Optional[str] = CacheDirBudgetOpt,
     kv_storage: str = KVStorageOpt,
     eviction: str = EvictionOpt,
 ):
@@ -44,7 +45,7 @@ def extract(
     """
     config = RunConfig(choice(mode, MODES, "--mode"), batch_size)
     output_path(out_path, "--out")
-    pool = make_pool(cache_budget, cache_dir, kv_storage, eviction)
+    pool = make_pool(cache_budget, cache_dir, kv_storage, eviction, cache_dir_budget)
     extractor = setup_extractor(task, model, dtype, threads, pool, max_new_tokens)
     stats = extract_into(extractor, input, text_field, id_field, config, out_path)
     err.print(

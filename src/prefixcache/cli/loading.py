@@ -80,17 +80,43 @@ def setup_extractor(task: str, model: str, dtype: str, threads: Optional[int], p
     return Extractor(load(model, dtype, threads), spec, pool=pool, max_new_tokens=max_new_tokens)
 
 
-def make_pool(cache_budget: Optional[str], cache_dir: Optional[Path], kv_storage: str, eviction: str):
-    """A PrefixPool when any cache option is set, else None (then a classifier keeps its own prefix)."""
+def make_pool(cache_budget: Optional[str], cache_dir: Optional[Path], kv_storage: str, eviction: str,
+              cache_dir_budget: Optional[str] = None):
+    """A PrefixPool when any cache option is set, else None (then a classifier keeps its own prefix).
+    ``--cache-dir-budget`` is recorded in the ``--cache-dir`` folder (:func:`folder_budget`)."""
     from ..cache.disk import DiskStore
     from ..cache.pool import PrefixPool
 
     storage = choice(kv_storage, STORAGE_NAMES, "--kv-storage")
     policy = choice(eviction, POLICIES, "--eviction")
+    folder_bytes = folder_budget(cache_dir_budget, cache_dir)
     if cache_budget is None and cache_dir is None and (storage, policy) == (POOL.storage, POOL.eviction):
         return None
     budget = parsed(parse_bytes, cache_budget, "--cache-budget") if cache_budget else POOL.budget_bytes
-    return PrefixPool(PoolConfig(budget, policy, storage), DiskStore(cache_dir) if cache_dir else None)
+    store = DiskStore(cache_dir, budget_bytes=folder_bytes) if cache_dir else None
+    return PrefixPool(PoolConfig(budget, policy, storage), store)
+
+
+def folder_budget(cache_dir_budget: Optional[str], cache_dir: Optional[Path]) -> Optional[int]:
+    """``--cache-dir-budget`` in bytes (None: not given, the folder keeps the budget it has recorded).
+    The budget is the folder's, not a pool's: once recorded there, every process using the folder honours it
+    (Ray workers, and runs started without the option), so it is no PoolConfig field."""
+    if cache_dir_budget is None:
+        return None
+    budget = parsed(parse_bytes, cache_dir_budget, "--cache-dir-budget")
+    if cache_dir is None:
+        raise typer.BadParameter("it limits the --cache-dir folder: add --cache-dir", param_hint="--cache-dir-budget")
+    return budget
+
+
+def record_folder_budget(cache_dir_budget: Optional[str], cache_dir: Optional[Path]) -> None:
+    """Record ``--cache-dir-budget`` in the ``--cache-dir`` folder now (for a run whose pools are built elsewhere,
+    such as Ray workers: they honour the folder's recorded budget)."""
+    budget = folder_budget(cache_dir_budget, cache_dir)
+    if budget is not None:
+        from ..cache.manifest import DiskFolder
+
+        DiskFolder(cache_dir, budget_bytes=budget)
 
 
 TEXT_FIELD_PEEK = 1024  # rows read ahead to check --text-field before a streamed job starts

@@ -29,6 +29,12 @@ CacheBudgetOpt = typer.Option(
     help=f"Prefix pool byte budget such as 256MB (setting any cache option makes a pool; default {format_bytes(POOL.budget_bytes)}).",
 )
 CacheDirOpt = typer.Option(None, "--cache-dir", help="Disk tier: prefixes are loaded from and saved to this folder.")
+CacheDirBudgetOpt = typer.Option(
+    None, "--cache-dir-budget",
+    help="Byte budget of the --cache-dir folder such as 2GB: after each save the least recently used files are deleted "
+    "until it fits. Recorded in the folder, so every later run and process keeps it (default: the folder's recorded "
+    "budget, else no limit).",
+)
 KVStorageOpt = typer.Option(POOL.storage, "--kv-storage", help=f"How the pool stores prefixes: {', '.join(STORAGE_NAMES)}.")
 EvictionOpt = typer.Option(POOL.eviction, "--eviction", help=f"Pool eviction policy: {', '.join(POLICIES)}.")
 InputArg = typer.Argument(..., help="Input .csv, .jsonl, .parquet, or - for JSONL on stdin.")

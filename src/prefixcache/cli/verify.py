@@ -11,8 +11,8 @@ from ..types import Mode, RunConfig
 from .boundary import boundary, choice
 from .loading import check_text_field, is_extract, make_pool, progress, setup_classifier, setup_extractor
 from .options import (
-    BatchOpt, CacheBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, IdFieldOpt, InputArg, JsonOpt, KVStorageOpt,
-    HeadOpt, MethodOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt,
+    BatchOpt, CacheBudgetOpt, CacheDirBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, IdFieldOpt, InputArg, JsonOpt,
+    KVStorageOpt, HeadOpt, MethodOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt,
 )
 from .reports import report_agreement, report_pool, report_storage, some_ids
 
@@ -34,13 +34,14 @@ def verify(
     threads: Optional[int] = ThreadsOpt,
     cache_budget: Optional[str] = CacheBudgetOpt,
     cache_dir: Optional[Path] = CacheDirOpt,
+    cache_dir_budget: Optional[str] = CacheDirBudgetOpt,
     kv_storage: str = KVStorageOpt,
     eviction: str = EvictionOpt,
     head: Optional[Path] = HeadOpt,
 ):
     """Run full re-encoding and a cached mode on every record; exit 1 if any label (or extracted output) differs."""
     config = RunConfig(choice(mode, CACHED_MODES, "--mode"), batch_size)
-    pool = make_pool(cache_budget, cache_dir, kv_storage, eviction)
+    pool = make_pool(cache_budget, cache_dir, kv_storage, eviction, cache_dir_budget)
     if is_extract(task):
         return verify_extract(input, task, model, config, text_field, id_field, as_json, dtype, threads, pool)
     verify_labels(input, task, model, config, method, text_field, id_field, as_json, dtype, threads, pool, head)
