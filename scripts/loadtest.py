@@ -55,6 +55,9 @@ HOST = "127.0.0.1"
 class Lane:
     name: str
     max_batch: int
+    api: str = "classify"  # or "openai": the chat route with guided_choice, through the official client
+    cached_min: float = float("nan")  # openai lane: the smallest share of a prompt reused from the pool
+    cached_mean: float = float("nan")
     latencies: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
@@ -106,6 +109,10 @@ def parse_args() -> argparse.Namespace:
                         "not failed (default: twice the lane's max |log-prob difference| over the responses whose label "
                         "did not change: its numerical noise)")
     p.add_argument("--target", type=float, default=4.0, help="required throughput ratio, micro-batched / one at a time")
+    p.add_argument("--openai", action="store_true",
+                   help="compare POST /v1/classify with the OpenAI-compatible chat route (guided_choice, the official "
+                        "openai client) on the same task, both micro-batched; the target becomes --openai-target")
+    p.add_argument("--openai-target", type=float, default=0.8, help="required ratio, openai items/s / classify items/s")
     p.add_argument("--json", dest="json_path", default=None, help="also write the figures as JSON here")
     return p.parse_args()
 
@@ -259,29 +266,43 @@ def post(conn: http.client.HTTPConnection, body: bytes, key: str) -> tuple[int, 
     return response.status, response.read()
 
 
-def drive(port: int, key: str, task: str, requests: list[list[dict]], clients: int):
+def classify_sender(port: int, key: str, task: str):
+    """A ``send(items) -> (status, body)`` for one client thread: POST /v1/classify on one keep-alive connection."""
+    conn = http.client.HTTPConnection(HOST, port, timeout=300)
+
+    def send(items: list[dict]) -> tuple[int, bytes]:
+        nonlocal conn
+        try:
+            return post(conn, json.dumps({"task": task, "items": items}).encode(), key)
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            conn = http.client.HTTPConnection(HOST, port, timeout=300)
+            return 0, f"{type(exc).__name__}: {exc}".encode()
+
+    return send
+
+
+def drive(port: int, key: str, task: str, requests: list[list[dict]], clients: int, api: str = "classify", task_path: str = ""):
     """Send every request once from ``clients`` threads. Returns [(request index, status, body, seconds)], wall seconds."""
-    bodies = [json.dumps({"task": task, "items": r}).encode() for r in requests]
     counter = itertools.count()
     lock = threading.Lock()
     outcomes = []
 
     def client():
-        conn = http.client.HTTPConnection(HOST, port, timeout=300)
+        if api == "openai":
+            from loadtest_openai import openai_sender
+
+            send = openai_sender(HOST, port, key, task_path)
+        else:
+            send = classify_sender(port, key, task)
         while True:
             with lock:
                 n = next(counter)
-            if n >= len(bodies):
+            if n >= len(requests):
                 break
             started = time.perf_counter()
-            try:
-                status, data = post(conn, bodies[n], key)
-            except (OSError, http.client.HTTPException) as exc:
-                status, data = 0, f"{type(exc).__name__}: {exc}".encode()
-                conn.close()
-                conn = http.client.HTTPConnection(HOST, port, timeout=300)
+            status, data = send(requests[n])
             outcomes.append((n, status, data, time.perf_counter() - started))
-        conn.close()
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     started = time.perf_counter()
@@ -366,14 +387,20 @@ def run_lanes(lanes: list[Lane], args, requests, reference, task_name: str) -> N
             servers[lane.name] = (Server(args, lane.max_batch, key), key)
         for lane in lanes:  # warm-up: the first passes pay one-time costs (allocations, kernel selection)
             server, key = servers[lane.name]
-            drive(server.port, key, task_name, requests[: min(8, args.clients)], args.clients)
+            drive(server.port, key, task_name, requests[: min(8, args.clients)], args.clients, lane.api, args.task)
         size = -(-len(requests) // args.rounds)
         slices = [(start, requests[start : start + size]) for start in range(0, len(requests), size)]
         for number, (offset, chunk) in enumerate(slices):
             for lane in lanes if number % 2 == 0 else lanes[::-1]:
                 server, key = servers[lane.name]
                 before = pass_figures(server.port, key)
-                outcomes, seconds = drive(server.port, key, task_name, chunk, args.clients)
+                outcomes, seconds = drive(server.port, key, task_name, chunk, args.clients, lane.api, args.task)
+                if lane.api == "openai":
+                    from loadtest_openai import cached_share
+
+                    low, mean = cached_share(outcomes)
+                    lane.cached_min = low if math.isnan(lane.cached_min) else min(lane.cached_min, low)
+                    lane.cached_mean = mean
                 after = pass_figures(server.port, key)
                 lane.seconds += seconds
                 lane.passes += after[0] - before[0]
@@ -390,9 +417,10 @@ def run_lanes(lanes: list[Lane], args, requests, reference, task_name: str) -> N
 
 
 def report(lanes: list[Lane], args, ceiling: Ceiling) -> bool:
-    batched, single = lanes
+    first, second = lanes
     bounds = [settle(lane, args) for lane in lanes]
-    ratio = batched.items_per_second / single.items_per_second if single.items_per_second else float("inf")
+    faster, slower = (second, first) if args.openai else (first, second)
+    ratio = faster.items_per_second / slower.items_per_second if slower.items_per_second else float("inf")
     head = f"{'lane':<22}{'items':>7}{'errors':>8}{'mismatch':>10}{'items/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'mean pass':>11}{'pass ms':>9}{'busy':>6}"
     print("\n" + head + "\n" + "-" * len(head))
     for lane in lanes:
@@ -403,7 +431,11 @@ def report(lanes: list[Lane], args, ceiling: Ceiling) -> bool:
     errors = sum(len(lane.errors) + len(lane.mismatches) for lane in lanes)
     near = sum(lane.near_ties for lane in lanes)
     diff = max(lane.max_prob_diff for lane in lanes)
-    print(f"\nthroughput ratio (micro-batched / max-batch 1): {ratio:.2f}x  (target >= {args.target:g}x); "
+    if args.openai:
+        args.target = args.openai_target
+        print(f"\n[openai] prompt tokens reused from the pool per request: smallest {second.cached_min:.1%}, "
+              f"mean {second.cached_mean:.1%} (target >= 90%)")
+    print(f"\nthroughput ratio ({faster.name} / {slower.name}): {ratio:.2f}x  (target >= {args.target:g}x); "
           f"load average at the end {machine_load()} on {os.cpu_count()} CPUs")
     print(f"responses equal to the sequential result: {'all' if not errors else 'NOT all'}; max |prob diff| {diff:.1e} "
           f"(tolerance {args.tolerance:g}); max |log-prob diff| {max(lane.max_logprob_diff for lane in lanes):.1e}; "
@@ -424,7 +456,7 @@ def report(lanes: list[Lane], args, ceiling: Ceiling) -> bool:
                 {"name": lane.name, "max_batch": lane.max_batch, "items": lane.items, "seconds": lane.seconds,
                  "items_per_second": lane.items_per_second, "p50_ms": lane.percentile(0.5), "p99_ms": lane.percentile(0.99),
                  "errors": len(lane.errors), "mismatches": len(lane.mismatches), "passes": lane.passes,
-                 "pass_seconds": lane.pass_seconds}
+                 "pass_seconds": lane.pass_seconds, "api": lane.api, "cached_min": lane.cached_min}
                 for lane in lanes]}, fh, indent=2)
     return ok
 
@@ -446,7 +478,10 @@ def main() -> int:
         args.task = snapshot_task(args.task, folder)  # from here on, the snapshot's path
         name = load_task(args.task).name
         reference, ceiling = sequential_reference(args, requests)
-        lanes = [Lane(f"micro-batched (<= {args.max_batch})", args.max_batch), Lane("max-batch 1", 1)]
+        if args.openai:
+            lanes = [Lane("classify", args.max_batch), Lane("openai guided_choice", args.max_batch, api="openai")]
+        else:
+            lanes = [Lane(f"micro-batched (<= {args.max_batch})", args.max_batch), Lane("max-batch 1", 1)]
         run_lanes(lanes, args, requests, reference, name)
     return 0 if report(lanes, args, ceiling) else 1
 

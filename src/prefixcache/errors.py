@@ -158,3 +158,15 @@ class QueueFullError(ServerError):
 
 class ShuttingDownError(ServerError):
     """The server stopped before the request's items were run."""
+
+
+class RequestFieldError(ServerError):
+    """A field of an OpenAI-style request is unsupported or out of range. ``param`` names it (``messages[2].content``)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class UnknownModelError(ServerError):
+    """An OpenAI-style request names a model this server does not serve."""

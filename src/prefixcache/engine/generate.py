@@ -1,4 +1,4 @@
-"""Greedy decoding that continues from a shared prefix, batched, with stop strings.
+"""Decoding that continues from a shared prefix, batched, with stop strings (greedy unless sampled).
 
 :func:`generate_rows` feeds B token rows after a stored prefix in one forward
 pass (right-padded, like :func:`~prefixcache.engine.forward.score_rows`), then decodes
@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 
 from .rows import forward_rows, pad_rows
+from .sampling import GREEDY, Sampling, TokenLogprob, TokenPicker
 from ..cache.kv import PrefixKV
 
 Finish = Literal["eos", "stop", "length"]
@@ -55,11 +56,13 @@ class Generation:
         token_ids: every generated token, including the end-of-sequence token that ended it.
         text: the decoded text without end-of-sequence / special tokens, cut before the first stop string.
         finish: why it ended.
+        logprobs: one per generated token when the sampling recorded log-probs, else empty.
     """
 
     token_ids: tuple[int, ...]
     text: str
     finish: Finish
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -119,38 +122,37 @@ def generate_rows(
     prefix: PrefixKV,
     rows: Sequence[Sequence[int]],
     config: GenerationConfig,
+    sampling: Sampling = GREEDY,
+    on_token: Callable[[int, int], None] | None = None,
 ) -> tuple[list[Generation], GenerationTiming]:
-    """Greedy-decode a continuation of ``prefix + row`` for every row. Results are in ``rows`` order.
+    """Decode a continuation of ``prefix + row`` for every row (greedy unless ``sampling`` says otherwise).
+    Results are in ``rows`` order.
 
-    The prefix is only read (each call uses its own fork), so concurrent calls are safe.
+    ``on_token(row, token_id)`` is called for every generated token as soon as it is chosen (on the
+    calling thread), so a caller can stream. The prefix is only read (each call uses its own fork),
+    so concurrent calls are safe.
     """
     started = time.perf_counter()
     device = prefix.keys[0].device
     batch = len(rows)
+    picker = TokenPicker(sampling, batch, device)
     ids, mask, lengths = pad_rows(rows, device)  # [B, S], [B, S], [B]
     cache = prefix.fork(batch)
     past = torch.ones(batch, prefix.length, dtype=torch.bool, device=device)  # [B, P]
     start = torch.full((batch,), prefix.length, device=device)
     hidden = forward_rows(model, cache, ids, mask, start, past)  # [B, S, H]
     last = hidden[torch.arange(batch, device=device), lengths - 1]  # [B, H]
-    next_ids = _logits(model, last).argmax(dim=-1)  # [B]
+    live = list(range(batch))  # cache row -> input row
+    next_ids, logprobs = picker.pick(_logits(model, last), live)  # [B]
     first_token_s = time.perf_counter() - started
 
     attention = torch.cat([past, mask], dim=1)  # [B, P + S]: what each row's next token may see
     positions = lengths + prefix.length  # [B]: RoPE index of each row's next token
-    live = list(range(batch))  # cache row -> input row
-    generated: list[list[int]] = [[] for _ in rows]
-    done: dict[int, Generation] = {}
+    rows_out = [_RowOutput() for _ in rows]
     steps = 1
     while True:
-        keep = []
-        for slot, (row, token) in enumerate(zip(live, next_ids.tolist())):
-            generated[row].append(token)
-            text, finish = finish_of(tokenizer, generated[row], config)
-            if finish is None:
-                keep.append(slot)
-            else:
-                done[row] = Generation(tuple(generated[row]), text, finish)
+        keep = [slot for slot, row in enumerate(live) if not rows_out[row].add(
+            next_ids[slot].item(), logprobs[slot] if logprobs else None, tokenizer, config, on_token, row)]
         if not keep:
             break
         if len(keep) < len(live):
@@ -160,11 +162,32 @@ def generate_rows(
             live = [live[k] for k in keep]
         step_mask = torch.ones(len(live), 1, dtype=torch.bool, device=device)  # [b, 1]
         hidden = forward_rows(model, cache, next_ids[:, None], step_mask, positions, attention)  # [b, 1, H]
-        next_ids = _logits(model, hidden[:, -1]).argmax(dim=-1)  # [b]
+        next_ids, logprobs = picker.pick(_logits(model, hidden[:, -1]), live)  # [b]
         attention = torch.cat([attention, step_mask], dim=1)
         positions = positions + 1
         steps += 1
-    results = [done[i] for i in range(batch)]
+    results = [out.generation for out in rows_out]
     tokens = sum(len(g.token_ids) for g in results)
     timing = GenerationTiming(first_token_s, time.perf_counter() - started, steps, tokens)
     return results, timing
+
+
+class _RowOutput:
+    """One row's tokens so far; ``generation`` is set once the row has finished."""
+
+    def __init__(self):
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.generation: Generation | None = None
+
+    def add(self, token: int, logprob: TokenLogprob | None, tokenizer, config: GenerationConfig, on_token, row: int) -> bool:
+        """Append ``token``; True when the row has finished with it."""
+        self.token_ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        if on_token is not None:
+            on_token(row, token)
+        text, finish = finish_of(tokenizer, self.token_ids, config)
+        if finish is not None:
+            self.generation = Generation(tuple(self.token_ids), text, finish, tuple(self.logprobs))
+        return finish is not None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec.prompt import Prompt
+from ..spec.label_set import LabelSet
 from ..types import LabelScores
 from .label_trie import LabelTrie, TriePart
 
@@ -37,7 +37,7 @@ class LabelHead:
     label: the reference the trie is tested and benchmarked against).
     """
 
-    def __init__(self, model: torch.nn.Module, prompt: Prompt, method: str, label_pass: str = "trie"):
+    def __init__(self, model: torch.nn.Module, prompt: LabelSet, method: str, label_pass: str = "trie"):
         if label_pass not in LABEL_PASSES:
             raise ValueError(f"label_pass must be one of {LABEL_PASSES}, got {label_pass!r}")
         self.prompt = prompt

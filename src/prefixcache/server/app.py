@@ -34,11 +34,12 @@ from starlette.concurrency import run_in_threadpool
 from ..errors import (
     InputError, ItemError, PoolBudgetError, PrefixCacheError, PromptError, QueueFullError, ReadOnlyTaskError,
     RequestLimitError,
-    ShuttingDownError, TaskError, TaskUploadError, UnknownTaskError, WrongTaskKindError, neutral_spelling,
+    RequestFieldError, ShuttingDownError, TaskError, TaskUploadError, UnknownModelError, UnknownTaskError, WrongTaskKindError, neutral_spelling,
 )
 from ..model.load import LoadedModel
 from ..spec.task import ExtractTask, Task, parse_task
 from .prometheus import Metrics
+from .openai_routes import BODY_SCHEMAS, OPENAI_PATHS, add_openai_routes, openai_error
 from .middleware import PUBLIC_PATHS, ROLE, BearerAuth, BodyLimit, RequestMetrics, admin_only
 from .runners import RUNNER_KINDS
 from .schemas import (
@@ -94,6 +95,7 @@ def _routes(app: FastAPI, service: Service) -> None:
     _service_routes(app, service)
     _item_routes(app, service)
     _task_routes(app, service)
+    add_openai_routes(app, service)
 
 
 def _service_routes(app: FastAPI, service: Service) -> None:
@@ -217,10 +219,13 @@ async def _error_response(request: Request, exc: PrefixCacheError) -> JSONRespon
     if os.environ.get("PREFIXCACHE_DEBUG"):
         raise exc
     status = _status(exc)
+    headers = {"retry-after": str(exc.retry_after)} if isinstance(exc, QueueFullError) else None
+    if request.url.path in OPENAI_PATHS:
+        body = openai_error(exc.render(http_spelling), status, getattr(exc, "param", None))
+        return JSONResponse(body, status_code=status, headers=headers)
     body = {"detail": exc.render(http_spelling)}
     if getattr(exc, "item", None) is not None:
         body["item"] = exc.item
-    headers = {"retry-after": str(exc.retry_after)} if isinstance(exc, QueueFullError) else None
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -247,7 +252,8 @@ def http_spelling(name: str, value: str | None = None) -> str:
 
 # An error type's HTTP status; the first entry the error is an instance of wins, anything else is a 500.
 STATUS: tuple[tuple[type[PrefixCacheError], int], ...] = (
-    (UnknownTaskError, 404),
+    ((UnknownTaskError, UnknownModelError), 404),
+    (RequestFieldError, 400),
     ((WrongTaskKindError, ItemError, RequestLimitError, TaskUploadError), 422),
     (ReadOnlyTaskError, 403),
     (QueueFullError, 429),
@@ -280,7 +286,8 @@ def _openapi_with_bearer(app: FastAPI):
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = build()
-            schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(BODY_SCHEMAS)
+            schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             schema["security"] = [{"bearer": []}]
             for path in PUBLIC_PATHS & set(schema["paths"]):
                 for operation in schema["paths"][path].values():

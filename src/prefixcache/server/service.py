@@ -34,7 +34,7 @@ import logging
 import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 from ..errors import (
     PoolBudgetError, ReadOnlyTaskError, RequestLimitError, TaskUploadError, UnknownTaskError, WrongTaskKindError,
@@ -45,6 +45,7 @@ from ..types import Record
 from ..spec.task import ExtractTask, Task
 from .batcher import MicroBatcher
 from .prometheus import Metrics
+from .openai_runners import OpenAIRunners
 from .runners import TaskRunner, build_runner, reused_prefix_tokens
 from .settings import ADMIN_KEY_ENV, ServerSettings
 
@@ -59,6 +60,7 @@ class Usage:
     suffix_tokens: int
 
 
+T = TypeVar("T")
 PREP_THREADS = 2  # tokenizing the returning clients of a pass in parallel shortens the model's idle gap
 
 
@@ -78,11 +80,13 @@ class Service:
         self._prep_tokenizers: queue.SimpleQueue = queue.SimpleQueue()  # one copy per prep thread, lent per call
         for _ in range(PREP_THREADS):
             self._prep_tokenizers.put(copy.deepcopy(loaded.tokenizer))
+        self.stream_tokenizer = copy.deepcopy(loaded.tokenizer)  # the event loop's own: decodes streamed tokens
         self.batcher = MicroBatcher(self._model_thread, settings, metrics)
         self.pool = PrefixPool(PoolConfig(budget_bytes=settings.cache_budget_bytes))  # used on the model thread only
         metrics.watch_pool(self.pool)
         self._runners: dict[str, TaskRunner] = {}
         self._startup: set[str] = set()  # the registered tasks that are start-up tasks (not replaced since)
+        self.openai = OpenAIRunners(loaded, self.pool, settings.method)  # the OpenAI-compatible routes' runners
 
     async def start(self, tasks: Sequence[Task | ExtractTask]) -> None:
         for task in tasks:
@@ -210,9 +214,16 @@ class Service:
 
     def _prepare(self, runner: TaskRunner, records: Sequence[Record]):
         """On a prep thread: ``runner.prepare`` with a tokenizer copy no other thread holds meanwhile."""
+        return self._with_tokenizer(lambda tokenizer: runner.prepare(tokenizer, records, self.settings.max_item_tokens))
+
+    async def on_prep_thread(self, work: Callable[[object], T]) -> T:
+        """``work(tokenizer)`` on a prep thread, with a tokenizer copy no other thread holds meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._prep_threads, self._with_tokenizer, work)
+
+    def _with_tokenizer(self, work: Callable[[object], T]) -> T:
         tokenizer = self._prep_tokenizers.get()  # never waits: there are as many copies as prep threads
         try:
-            return runner.prepare(tokenizer, records, self.settings.max_item_tokens)
+            return work(tokenizer)
         finally:
             self._prep_tokenizers.put(tokenizer)
 

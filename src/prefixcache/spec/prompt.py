@@ -28,11 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from ..errors import InputError, LabelCollisionError, PromptError, setting
+from ..errors import InputError, PromptError
+from .label_set import LabelSet
 from .restart import Restart, tokenize_prompts
 from .selection import resolve_examples
 from .task import Task
-from ..types import METHODS
 
 SENTINEL = "\u27e6RECORD\u27e7"
 MAX_HEAL = 8
@@ -93,7 +93,7 @@ class RecordSlot:
 
 
 @dataclass(frozen=True)
-class Prompt(RecordSlot):
+class Prompt(RecordSlot, LabelSet):
     """A task rendered for one tokenizer.
 
     Attributes:
@@ -124,36 +124,6 @@ class Prompt(RecordSlot):
 
     def full_text(self, record: Mapping[str, object], record_id: object = None) -> str:
         return self.prefix_text + self.suffix_text(record, record_id)
-
-    def first_token_ids(self) -> list[int]:
-        return [ids[0] for ids in self.label_ids.values()]
-
-    def resolve_method(self, method: str) -> str:
-        """``auto`` becomes ``first-token`` unless two labels share a first token, then ``full``.
-
-        Raises:
-            LabelCollisionError: ``first-token`` was asked for but two labels share a first token.
-        """
-        if method not in METHODS:
-            raise PromptError(f"scoring method must be one of {METHODS}, not {method!r}")
-        collision = self.first_token_collision()
-        if method == "auto":
-            return "full" if collision else "first-token"
-        if method == "first-token" and collision:
-            a, b, token = collision
-            raise LabelCollisionError(
-                f"labels {a!r} and {b!r} both start with token {token}; first-token scoring cannot tell them "
-                f"apart. Use {setting('method', 'full')}, or rename one label."
-            )
-        return method
-
-    def first_token_collision(self) -> tuple[str, str, int] | None:
-        seen: dict[int, str] = {}
-        for label, ids in self.label_ids.items():
-            if ids[0] in seen:
-                return seen[ids[0]], label, ids[0]
-            seen[ids[0]] = label
-        return None
 
 
 def render_messages(task: Task) -> list[dict[str, str]]:

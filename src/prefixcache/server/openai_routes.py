@@ -1,0 +1,181 @@
+"""The OpenAI-compatible routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``.
+
+They sit on the same service as the task routes: the same key, body limit, admission limit, micro-batcher,
+prefix pool and metrics. A request is parsed here (a 400 in OpenAI's error shape naming the field),
+planned on a prep thread (:func:`~prefixcache.server.openai_plan.plan`), queued on the batcher, and
+answered as one JSON body or, with ``stream: true``, as server-sent events in OpenAI's chunk format,
+one event per piece of text as the model produces it.
+
+Streaming holds back what could still change: the tail that might begin a stop string, and an
+incomplete UTF-8 character, so the streamed pieces always add up to the final text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from ..errors import PrefixCacheError, UnknownModelError
+from ..spec.context import context_limit
+from .openai_plan import Plan, chat_response, completion_response, plan, response_id, usage_of
+from .openai_schemas import (
+    ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList, OpenAIError, parse_request,
+)
+from .service import Service
+
+OPENAI_PATHS = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions"})
+STARTED = int(time.time())
+_ERRORS = {code: {"model": OpenAIError} for code in (400, 401, 404, 413, 422, 429, 503)}
+_EVENT = {"type": "object", "properties": {"data": {"type": "string", "description": "a chunk as JSON, or [DONE]"}}}
+_STREAMED = _ERRORS | {200: {"content": {"text/event-stream": {"schema": _EVENT}},
+                             "description": "JSON, or server-sent events with stream: true"}}
+
+
+def add_openai_routes(app: FastAPI, service: Service) -> None:
+    """Add the three routes to ``app``; they serve ``service.loaded`` under the name ``service.loaded.spec``."""
+    model_name = service.loaded.spec
+
+    @app.get("/v1/models", response_model=ModelList, tags=["openai"], responses=_ERRORS)
+    async def models() -> ModelList:
+        """The one model this server runs (OpenAI's model list)."""
+        card = ModelCard(id=model_name, created=STARTED, max_model_len=context_limit(service.loaded.model))
+        return ModelList(data=[card])
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, tags=["openai"], responses=_STREAMED,
+              openapi_extra=_body(ChatCompletionRequest, model_name))
+    async def chat_completions(request: Request):
+        """OpenAI chat completions: generation, or ``guided_choice`` scored over the cached prompt.
+        The prompt's leading messages are stored as a prefix for the next request that shares them."""
+        return await _serve(service, model_name, ChatCompletionRequest, await request.body())
+
+    @app.post("/v1/completions", response_model=Completion, tags=["openai"], responses=_STREAMED,
+              openapi_extra=_body(CompletionRequest, model_name))
+    async def completions(request: Request):
+        """OpenAI text completions over a prompt string or token ids, with the same prefix reuse."""
+        return await _serve(service, model_name, CompletionRequest, await request.body())
+
+
+def openai_error(message: str, status: int, param: str | None = None) -> dict:
+    """OpenAI's error body for ``status``."""
+    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_exceeded"}.get(status)
+    kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
+    code = "model_not_found" if status == 404 else None
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+async def _serve(service: Service, model_name: str, kind, body: bytes):
+    request = parse_request(kind, body)
+    if request.model != model_name:
+        raise UnknownModelError(f"model {request.model!r} is not served here; this server runs {model_name!r} (GET /v1/models)")
+    planned = await service.on_prep_thread(lambda tokenizer: plan(service.openai, service.settings, tokenizer, request))
+    chat = kind is ChatCompletionRequest
+    if request.stream:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        return StreamingResponse(
+            _stream(service, planned, model_name, chat, include_usage), media_type="text/event-stream",
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+    with service.batcher.admit(1):
+        result = (await service.batcher.submit(planned.runner, [planned.item]))[0]
+    build = chat_response if chat else completion_response
+    if result.get("logprobs"):
+        return await service.on_prep_thread(lambda tokenizer: build(result, model_name, tokenizer))
+    return build(result, model_name, None)
+
+
+async def _stream(service: Service, planned: Plan, model_name: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: a first chunk (the assistant's role), text pieces as tokens arrive, the finish
+    reason, the usage when asked, and ``[DONE]``. An error after the first byte becomes an error event."""
+    chunk = _Chunks(response_id("chatcmpl" if chat else "cmpl"), model_name, chat)
+    tokens: asyncio.Queue[int] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    planned.item.on_token = lambda token: loop.call_soon_threadsafe(tokens.put_nowait, token)
+    text = _StreamText(service.stream_tokenizer, planned.stops)
+    try:
+        with service.batcher.admit(1):
+            if chat:
+                yield chunk.event(role="assistant", content="")
+            job = asyncio.ensure_future(service.batcher.submit(planned.runner, [planned.item]))
+            while not job.done() or not tokens.empty():
+                getter = asyncio.ensure_future(tokens.get())
+                await asyncio.wait({getter, job}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                piece = text.add(getter.result())
+                if piece:
+                    yield chunk.event(content=piece)
+            result = job.result()[0]
+    except PrefixCacheError as exc:
+        yield f"data: {json.dumps(openai_error(str(exc), 500))}\n\n"
+        return
+    rest = text.rest(result["text"])
+    if rest:
+        yield chunk.event(content=rest)
+    yield chunk.event(finish=result["finish"])
+    if include_usage:
+        yield chunk.usage(usage_of(result).model_dump())
+    yield "data: [DONE]\n\n"
+
+
+class _Chunks:
+    """OpenAI's streaming chunks of one response (``chat.completion.chunk`` or ``text_completion``)."""
+
+    def __init__(self, id_: str, model: str, chat: bool):
+        self.head = {"id": id_, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": model}
+        self.chat = chat
+
+    def event(self, content: str | None = None, role: str | None = None, finish: str | None = None) -> str:
+        if self.chat:
+            delta = {k: v for k, v in (("role", role), ("content", content)) if v is not None}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
+        return f"data: {json.dumps(self.head | {'choices': [choice]})}\n\n"
+
+    def usage(self, usage: dict) -> str:
+        return f"data: {json.dumps(self.head | {'choices': [], 'usage': usage})}\n\n"
+
+
+class _StreamText:
+    """The text of the tokens so far, handed out in pieces that can no longer change."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be forming there
+        self.token_ids: list[int] = []
+        self.sent = ""
+
+    def add(self, token: int) -> str:
+        self.token_ids.append(token)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        safe = text[: min(cuts)] if cuts else text[: len(text) - self.hold]
+        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+            return ""
+        piece, self.sent = safe[len(self.sent):], safe
+        return piece
+
+    def rest(self, final: str) -> str:
+        """What the final text adds to what was sent (nothing when a sent piece is not its prefix)."""
+        return final[len(self.sent):] if final.startswith(self.sent) else ""
+
+
+BODY_SCHEMAS: dict[str, dict] = {}
+"""The request bodies' nested models, for the OpenAPI document's ``components.schemas`` (``app.py`` adds them)."""
+
+
+def _body(kind, model_name: str) -> dict:
+    """The request body's JSON Schema for the OpenAPI document, ``model`` limited to the one served (the
+    routes read and check the body themselves)."""
+    schema = kind.model_json_schema(ref_template="#/components/schemas/{model}")
+    schema["properties"]["model"]["enum"] = [model_name]
+    BODY_SCHEMAS.update(schema.pop("$defs", {}))
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
