@@ -113,6 +113,9 @@ def parse_args() -> argparse.Namespace:
                    help="compare POST /v1/classify with the OpenAI-compatible chat route (guided_choice, the official "
                         "openai client) on the same task, both micro-batched; the target becomes --openai-target")
     p.add_argument("--openai-target", type=float, default=0.8, help="required ratio, openai items/s / classify items/s")
+    p.add_argument("--duration", type=float, default=None,
+                   help="soak instead: this many seconds of --clients clients over three tasks, with a pool budget that "
+                        "holds two of their prefixes (scripts/loadtest_soak.py); RSS, errors and latency per minute")
     p.add_argument("--json", dest="json_path", default=None, help="also write the figures as JSON here")
     return p.parse_args()
 
@@ -205,8 +208,9 @@ def sequential_reference(args, requests) -> tuple[dict[str, object], Ceiling]:
 class Server:
     """`prefixcache serve` in a subprocess on a free loopback port; stopped with SIGINT (graceful)."""
 
-    def __init__(self, args, max_batch: int, key: str):
-        cmd = [sys.executable, "-m", "prefixcache", "serve", "--task", args.task, "--model", args.model, "--dtype", args.dtype,
+    def __init__(self, args, max_batch: int, key: str, tasks: tuple[str, ...] = (), extra: tuple[str, ...] = ()):
+        task_flags = [flag for task in (tasks or (args.task,)) for flag in ("--task", task)]
+        cmd = [sys.executable, "-m", "prefixcache", "serve", *task_flags, *extra, "--model", args.model, "--dtype", args.dtype,
                "--host", HOST, "--port", "0", "--max-batch", str(max_batch),
                "--max-queue", str(max(1024, args.clients * args.items_per_request * 2)), "--log-level", "warning"]
         if args.threads:
@@ -361,6 +365,26 @@ def settle(lane: Lane, args) -> float:
     return bound
 
 
+def pool_figures(port: int, key: str) -> tuple[float, float]:
+    """(pool hits, pool evictions) from the server's /metrics."""
+    conn = http.client.HTTPConnection(HOST, port, timeout=30)
+    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {key}"})
+    lines = conn.getresponse().read().decode().splitlines()
+    value = lambda name: sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
+    return value("prefixcache_pool_hits_total"), value("prefixcache_pool_evictions_total")
+
+
+def run_soak(args) -> int:
+    from loadtest_soak import SOAK_TASKS, soak
+
+    def server_factory(budget: int):
+        key = secrets.token_urlsafe(24)
+        print(f"[soak] starting server: tasks {', '.join(SOAK_TASKS)}, --cache-budget {budget}", flush=True)
+        return Server(args, args.max_batch, key, SOAK_TASKS, ("--cache-budget", str(budget))), key
+
+    return 0 if soak(args, server_factory, classify_sender, pool_figures) else 1
+
+
 def pass_figures(port: int, key: str) -> tuple[float, float, float]:
     """(forward passes, items in them, seconds spent in them) from the server's /metrics."""
     conn = http.client.HTTPConnection(HOST, port, timeout=30)
@@ -468,6 +492,8 @@ def machine_load() -> str:
 
 def main() -> int:
     args = parse_args()
+    if args.duration:
+        return run_soak(args)
     print(f"load test: {args.clients} clients, {args.requests} requests x {args.items_per_request} item(s) per lane, "
           f"model {args.model}, task {args.task}, dtype {args.dtype}, loopback {HOST}", flush=True)
     print(f"machine: {os.cpu_count()} CPUs, load average {machine_load()} at start", flush=True)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from prefixcache.errors import RequestFieldError
-from prefixcache.spec.chat import BLOCK, chat_prompt, choices_after, text_prompt
+from prefixcache.spec.chat import BLOCK, EarlierMessages, chat_prompt, choices_after, text_prompt
 
 words = st.lists(st.sampled_from(["refund", "crash", "login", "the", "app", "I", "was", "charged", "twice", "!", "?", "é", "日本", " "]),
                  min_size=1, max_size=12).map(" ".join)
@@ -20,11 +20,17 @@ def test_the_reusable_part_is_shared_by_requests_that_differ_only_in_the_last_me
     head = [{"role": "system", "content": system}]
     for user, assistant in shots:
         head += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
-    a = chat_prompt(tokenizer, head + [{"role": "user", "content": last_a}])
-    b = chat_prompt(tokenizer, head + [{"role": "user", "content": last_b}])
-    whole = tokenizer(tokenizer.apply_chat_template(head + [{"role": "user", "content": last_a}], tokenize=False,
-                                                    add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-    assert list(a.ids) == whole, "ids are exactly what full re-encoding feeds"
+    earlier = EarlierMessages()  # the second and third prompts reuse the head's tokens (the third from its restart point)
+    a = chat_prompt(tokenizer, head + [{"role": "user", "content": last_a}], earlier)
+    b = chat_prompt(tokenizer, head + [{"role": "user", "content": last_b}], earlier)
+    again = chat_prompt(tokenizer, head + [{"role": "user", "content": last_a + " again"}], earlier)
+    for prompt, last in ((a, last_a), (b, last_b), (again, last_a + " again")):
+        whole = tokenizer(tokenizer.apply_chat_template(head + [{"role": "user", "content": last}], tokenize=False,
+                                                        add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        assert list(prompt.ids) == whole, "ids are exactly what full re-encoding feeds"
+        choices = choices_after(tokenizer, prompt, ["billing", "account"], "guided_choice")
+        for choice, ids in choices.label_ids.items():
+            assert tuple(tokenizer(prompt.text + choice, add_special_tokens=False)["input_ids"]) == prompt.ids + ids
     earlier = tokenizer(tokenizer.apply_chat_template(head, tokenize=False), add_special_tokens=False)["input_ids"]
     assert a.reusable == b.reusable == len(earlier) and a.ids[: a.reusable] == b.ids[: b.reusable] == tuple(earlier)
     assert 0 < a.reusable < len(a.ids)

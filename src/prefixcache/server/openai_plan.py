@@ -48,7 +48,7 @@ def plan(runners: OpenAIRunners, settings: ServerSettings, tokenizer, request: C
     """
     _refuse_unsupported(request)
     if isinstance(request, ChatCompletionRequest):
-        prompt = chat_prompt(tokenizer, [{"role": m.role, "content": m.text()} for m in request.messages])
+        prompt = chat_prompt(tokenizer, [{"role": m.role, "content": m.text()} for m in request.messages], runners.earlier)
         field = "messages"
     else:
         prompt = text_prompt(tokenizer, request.prompt)

@@ -31,7 +31,7 @@ from ..engine.sampling import Sampling
 from ..engine.scoring import LabelHead
 from ..errors import PoolBudgetError
 from ..model.load import LoadedModel
-from ..spec.chat import Choices, WholePrompt
+from ..spec.chat import Choices, EarlierMessages, WholePrompt
 
 MIN_REUSE = 16  # a reusable part shorter than this is not stored: the whole prompt is computed
 RUNNERS_KEPT = 256  # runners (distinct prefix + choices or settings) remembered for batching
@@ -153,6 +153,7 @@ class OpenAIRunners:
         self.method = method
         self._runners: OrderedDict[tuple, _ReusingRunner] = OrderedDict()
         self._lock = threading.Lock()
+        self.earlier = EarlierMessages()  # the leading messages of recent chats, tokenized (used on the prep threads)
 
     def choice(self, prompt: WholePrompt, choices: Choices) -> ChoiceRunner:
         """Raises LabelCollisionError when the server's method is ``first-token`` and two choices share a first token."""

@@ -19,11 +19,14 @@ This module knows nothing about models or caches: only text and token ids.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import PromptError, RequestFieldError
 from .label_set import LabelSet
+from .restart import Restart, tokenize_prompts
 
 BLOCK = 16  # a reusable part that is not a message boundary ends on a multiple of this many tokens
 
@@ -36,6 +39,7 @@ class WholePrompt:
     ids: tuple[int, ...]
     reusable: int
     special_tokens: bool = False  # whether ``text`` was tokenized with the tokenizer's special tokens (BOS)
+    restart: Restart | None = None  # where ``text + s`` may start being tokenized, for any ``s`` (a choice)
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,49 @@ class Choices(LabelSet):
     label_ids: dict[str, tuple[int, ...]]
 
 
-def chat_prompt(tokenizer, messages: Sequence[dict[str, str]]) -> WholePrompt:
-    """``messages`` rendered with the tokenizer's chat template and its generation prompt, tokenized.
+@dataclass(frozen=True)
+class _Earlier:
+    """The messages before the last one: their text, its tokens, and a restart point (once worth finding)."""
+
+    text: str
+    ids: tuple[int, ...]
+    restart: Restart | None
+    seen: int  # requests that shared these messages
+
+
+class EarlierMessages:
+    """The :class:`_Earlier` of recently seen leading messages (LRU, ``size`` entries; thread-safe), so a request
+    whose system prompt and few-shot turns were seen before tokenizes only its last message.
+
+    The restart point (:class:`~prefixcache.spec.restart.Restart`, which proves that tokenizing from it gives
+    the whole text's tokens) is looked for on the second request that shares the messages, not the first.
+    """
+
+    def __init__(self, size: int = 256):
+        self.size = size
+        self._entries: OrderedDict[tuple, _Earlier] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, tokenizer, messages: Sequence[dict[str, str]]) -> _Earlier:
+        key = tuple((m["role"], m["content"]) for m in messages)
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None:
+            text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=False)
+            entry = _Earlier(text, _encode(tokenizer, text), None, 1)
+        elif entry.restart is None and entry.seen == 1:
+            entry = _Earlier(entry.text, entry.ids, Restart.find(tokenizer, entry.text), 2)
+        with self._lock:
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        return entry
+
+
+def chat_prompt(tokenizer, messages: Sequence[dict[str, str]], earlier: EarlierMessages | None = None) -> WholePrompt:
+    """``messages`` rendered with the tokenizer's chat template and its generation prompt, tokenized
+    (the leading messages through ``earlier``, when given, so that only the last one is tokenized anew).
 
     Raises:
         PromptError: the tokenizer has no chat template.
@@ -55,15 +100,14 @@ def chat_prompt(tokenizer, messages: Sequence[dict[str, str]]) -> WholePrompt:
         raise PromptError("this model's tokenizer has no chat template; use /v1/completions with a prompt")
     messages = [dict(m) for m in messages]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = _encode(tokenizer, text)
-    reusable = _block_boundary(len(ids))
     if len(messages) > 1:
-        earlier = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=False)
-        if text.startswith(earlier):
-            head = _encode(tokenizer, earlier)
-            if ids[: len(head)] == head and len(head) < len(ids):
-                reusable = len(head)
-    return WholePrompt(text, ids, reusable)
+        head = (earlier or EarlierMessages(1)).get(tokenizer, messages[:-1])
+        if text.startswith(head.text):
+            ids = tokenize_prompts(tokenizer, head.text, head.restart, [text[len(head.text):]])[0]
+            reusable = len(head.ids) if ids[: len(head.ids)] == head.ids and len(head.ids) < len(ids) else _block_boundary(len(ids))
+            return WholePrompt(text, ids, reusable, restart=head.restart)
+    ids = _encode(tokenizer, text)
+    return WholePrompt(text, ids, _block_boundary(len(ids)))
 
 
 def text_prompt(tokenizer, prompt: str | Sequence[int]) -> WholePrompt:
@@ -93,8 +137,11 @@ def choices_after(tokenizer, prompt: WholePrompt, choices: Sequence[str], param:
     if len(choices) < 2 or len(set(choices)) != len(choices):
         raise RequestFieldError(f"{param} needs at least two different choices, got {len(choices)}", param=param)
     label_ids = {}
-    for i, choice in enumerate(choices):
-        whole = _encode(tokenizer, prompt.text + choice, prompt.special_tokens)
+    if prompt.special_tokens:
+        wholes = [_encode(tokenizer, prompt.text + choice, True) for choice in choices]
+    else:
+        wholes = tokenize_prompts(tokenizer, prompt.text, prompt.restart, list(choices))
+    for i, (choice, whole) in enumerate(zip(choices, wholes)):
         if not choice or whole[: len(prompt.ids)] != prompt.ids or len(whole) == len(prompt.ids):
             raise RequestFieldError(
                 f"{param}[{i}] ({choice!r}) cannot follow the prompt as whole tokens (it is empty, or it merges "
