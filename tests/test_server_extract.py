@@ -115,6 +115,21 @@ def test_extract_string_items_default_ids_and_item_errors(loaded, extract_task):
     assert too_long[0] == 422 and too_long[2]["item"] == 1 and "max_item_tokens" in too_long[2]["detail"], too_long
 
 
+def test_an_item_whose_prompt_and_output_overflow_the_context_is_a_422_naming_it(loaded, extract_task):
+    """The tiny model takes 512 positions: an item that fits alone but not with max_new_tokens more is refused."""
+    prompt = Extractor(loaded, extract_task).prompt
+    room = 512 - len(prompt.prefix_ids)
+    words = ["refund crash login"] * 200
+    text = next(" ".join(words[:n]) for n in range(1, 200)
+                if room - extract_task.max_new_tokens < len(prompt.encode(loaded.tokenizer, [prompt.suffix_text({"text": " ".join(words[:n])})])[0].full_ids) - len(prompt.prefix_ids) <= room)
+    with serving(loaded, [extract_task], max_item_tokens=512) as server:
+        status, _, body = call(server, "POST", "/v1/extract", {"task": EXTRACT, "items": ["short one", {"id": "long", "text": text}]})
+        assert status == 422 and body["item"] == 1, body
+        assert "'long'" in body["detail"] and "max_new_tokens" in body["detail"] and "512-token context" in body["detail"]
+        status, _, body = call(server, "POST", "/v1/extract", {"task": EXTRACT, "items": ["short one"]})
+        assert status == 200, body
+
+
 def test_wrong_endpoint_is_a_clear_422_both_ways(loaded, task, extract_task):
     ticket_fields = load_any_task("ticket-fields")  # what `prefixcache serve --task ticket-fields` loads
     with serving(loaded, [task, extract_task, ticket_fields]) as server:
