@@ -141,7 +141,12 @@ class RequestLimitError(ServerError):
 
 
 class TaskUploadError(ServerError):
-    """An uploaded task cannot be served (name mismatch, prefix too long, unsupported kind or media type)."""
+    """An uploaded task cannot be served (name mismatch, prefix too long, too many labels or examples, too many
+    tasks, unsupported kind or media type)."""
+
+
+class TaskTooLargeError(TaskUploadError):
+    """An uploaded task's body is larger than the server takes for a task (``max_task_bytes``)."""
 
 
 class ReadOnlyTaskError(ServerError):

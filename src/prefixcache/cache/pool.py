@@ -22,7 +22,9 @@ are never evicted.
 ``bytes_held`` counts what the pool stores. A float entry is handed out by
 reference (no copy); an int8 entry is dequantized into a transient float copy
 that lives as long as the caller holds it. A caller that keeps a handed-out
-prefix keeps its memory alive after eviction, so hold one per run, not forever.
+prefix keeps its memory alive after eviction, so hold one per pass, not forever,
+and keep :meth:`Lookup.info` (no tensor) to remember what a lookup did. Then the
+prefix bytes alive are at most the budget plus the prefixes of passes in flight.
 
 Thread safety: one lock serializes ``get`` (including the computation of a
 missing prefix), so two threads asking for the same prefix compute it once.
@@ -76,23 +78,37 @@ class PrefixKey:
 
 
 @dataclass(frozen=True)
-class Lookup:
-    """What :meth:`PrefixPool.get` returns.
+class LookupInfo:
+    """What one :meth:`PrefixPool.get` did, without the prefix: holds no tensor, so it is safe to keep.
 
     Attributes:
-        prefix: the float prefix, read-only; fork it, never write it.
+        key: the prefix's identity.
         source: how it was obtained (memory, disk, extended, computed).
         tokens_computed: prefix tokens run through the model by this call.
         tokens_reused: prefix tokens this call did not have to compute.
         seconds: wall time of the call.
     """
 
-    prefix: PrefixKV = field(repr=False)
     key: PrefixKey
     source: Source
     tokens_computed: int
     tokens_reused: int
     seconds: float
+
+
+@dataclass(frozen=True)
+class Lookup(LookupInfo):
+    """What :meth:`PrefixPool.get` returns: :class:`LookupInfo` and the prefix itself.
+
+    ``prefix`` is the float prefix, read-only (fork it, never write it). With float storage it *is* the
+    pool's entry, so holding it past the pass keeps an evicted entry's memory alive: keep :meth:`info`.
+    """
+
+    prefix: PrefixKV = field(repr=False)
+
+    def info(self) -> LookupInfo:
+        """This lookup without its prefix."""
+        return LookupInfo(self.key, self.source, self.tokens_computed, self.tokens_reused, self.seconds)
 
 
 @dataclass(frozen=True)
@@ -234,7 +250,7 @@ class PrefixPool:
             self._count.computed += computed
             self._count.saved += len(ids) - computed
             prefix = self.storage.unpack(packed, loaded.dtype)
-            return Lookup(prefix, key, source, computed, len(ids) - computed, time.perf_counter() - started)
+            return Lookup(key, source, computed, len(ids) - computed, time.perf_counter() - started, prefix)
 
     def unpin(self, key: PrefixKey) -> None:
         """Make a held entry evictable again (no-op when it is not held)."""
@@ -259,7 +275,7 @@ class PrefixPool:
         if self.store is not None:  # a use of the prefix: the disk tier's LRU clock too
             self.store.mark_used(entry.key.digest, self.storage.name)
         prefix = self.storage.unpack(entry.packed, loaded.dtype)
-        return Lookup(prefix, entry.key, "memory", 0, entry.key.length, time.perf_counter() - started)
+        return Lookup(entry.key, "memory", 0, entry.key.length, time.perf_counter() - started, prefix)
 
     def _check_fits(self, need: int, pin: bool, label: str) -> None:
         budget = self.config.budget_bytes

@@ -40,6 +40,10 @@ def serve(
     max_prefix_tokens: int = typer.Option(
         SERVER.max_prefix_tokens, "--max-prefix-tokens", min=1, help="Largest prefix of an uploaded task."
     ),
+    max_task_bytes: int = typer.Option(SERVER.max_task_bytes, "--max-task-bytes", min=1, help="Largest task upload (413 above)."),
+    max_labels: int = typer.Option(SERVER.max_labels, "--max-labels", min=1, help="Most labels (or fields) of an uploaded task."),
+    max_examples: int = typer.Option(SERVER.max_examples, "--max-examples", min=1, help="Most examples of an uploaded task."),
+    max_tasks: int = typer.Option(SERVER.max_tasks, "--max-tasks", min=1, help="Most tasks registered at once (start-up tasks too)."),
     cache_budget: Optional[str] = typer.Option(None, "--cache-budget", help="Byte budget of the server's prefix pool, such as 256MB."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run a model repository's own code (only for models you trust)."),
     log_level: str = typer.Option(DEFAULT_LOG_LEVEL, "--log-level", help=f"uvicorn log level: {', '.join(LOG_LEVELS)}."),
@@ -57,6 +61,7 @@ def serve(
         host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms, arrival_gap_ms=arrival_gap_ms,
         max_queue=max_queue, max_items=max_items,
         max_item_tokens=max_item_tokens, max_body_bytes=max_body_bytes, max_prefix_tokens=max_prefix_tokens,
+        max_task_bytes=max_task_bytes, max_labels=max_labels, max_examples=max_examples, max_tasks=max_tasks,
         method=choice(method, METHODS, "--method"),
         cache_budget_bytes=parsed(parse_bytes, cache_budget, "--cache-budget") if cache_budget else None,
     )

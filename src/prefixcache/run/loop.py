@@ -27,7 +27,7 @@ from itertools import islice
 from typing import Callable, Iterable, Iterator, Sequence
 
 from ..cache.kv import PrefixKV
-from ..cache.pool import Lookup, PrefixPool
+from ..cache.pool import LookupInfo, PrefixPool
 from ..engine.rows import empty_prefix
 from ..errors import InputError
 from ..model.load import LoadedModel
@@ -73,7 +73,7 @@ class BoundTask:
         self.loaded = loaded
         self.task = task
         self.pool = pool
-        self.last_lookup: Lookup | None = None
+        self.last_lookup: LookupInfo | None = None  # what the last pool lookup did; never the prefix itself
         self.prefix_seconds = 0.0
         self._prefix: PrefixKV | None = None
         self._empty = empty_prefix(loaded.model)
@@ -82,12 +82,15 @@ class BoundTask:
     def prefix(self) -> PrefixKV:
         """The task's prefix cache: built on first use, or looked up in the pool on every access.
 
+        With a pool, nothing here keeps the prefix (only ``last_lookup``, which holds no tensor): the caller
+        holds it for one call or pass, so an entry the pool evicts is freed once its passes end.
+
         Raises:
             PoolBudgetError: (with a pool) the prefix cannot fit in the pool's budget.
         """
         if self.pool is not None:
             lookup = self.pool.get(self.loaded, self.prompt.prefix_ids, pin=self.task.pin, name=self.task.name)
-            self.last_lookup, self.prefix_seconds = lookup, lookup.seconds
+            self.last_lookup, self.prefix_seconds = lookup.info(), lookup.seconds
             return lookup.prefix
         if self._prefix is None:
             started = time.perf_counter()

@@ -34,10 +34,11 @@ from starlette.concurrency import run_in_threadpool
 from ..errors import (
     InputError, ItemError, PoolBudgetError, PrefixCacheError, PromptError, QueueFullError, ReadOnlyTaskError,
     RequestLimitError,
-    RequestFieldError, ShuttingDownError, TaskError, TaskUploadError, UnknownModelError, UnknownTaskError, WrongTaskKindError, neutral_spelling,
+    RequestFieldError, ShuttingDownError, TaskError, TaskTooLargeError, TaskUploadError, UnknownModelError, UnknownTaskError,
+    WrongTaskKindError, neutral_spelling,
 )
 from ..model.load import LoadedModel
-from ..spec.task import ExtractTask, Task, parse_task
+from ..spec.task import ExtractTask, Task
 from .prometheus import Metrics
 from .openai_routes import BODY_SCHEMAS, OPENAI_PATHS, add_openai_routes, openai_error
 from .middleware import PUBLIC_PATHS, ROLE, BearerAuth, BodyLimit, RequestMetrics, admin_only
@@ -48,9 +49,9 @@ from .schemas import (
 )
 from .service import Service
 from .settings import ServerSettings
+from .uploads import parse_upload
 
 TASK_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
-TASK_MEDIA_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "application/json", "text/plain")
 ERRORS = {code: {"model": ErrorOut} for code in (401, 404, 413, 422, 429)}  # 422: a message, or FastAPI's field list
 FORBIDDEN = {403: {"model": ErrorOut, "description": "The client key where the admin key is needed, or a start-up task."}}
 
@@ -58,10 +59,13 @@ FORBIDDEN = {403: {"model": ErrorOut, "description": "The client key where the a
 def create_app(
     loaded: LoadedModel, tasks: Sequence[Task | ExtractTask], settings: ServerSettings | None = None
 ) -> FastAPI:
-    """A ready-to-serve app for ``tasks`` on ``loaded``. Prefixes are built when the app starts."""
+    """A ready-to-serve app for ``tasks`` on ``loaded``. Prefixes are built when the app starts.
+
+    Raises SettingsError when ``tasks`` are more than ``settings.max_tasks``."""
     settings = settings or ServerSettings.from_env()
     metrics = Metrics()
     service = Service(loaded, settings, metrics)
+    service.check_startup(tasks)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -177,13 +181,17 @@ def _task_routes(app: FastAPI, service: Service) -> None:
 
         The body is the task itself, parsed as text: it can name no file, and nothing in it is read from disk.
         Requests already accepted for a replaced task finish with the old version. Needs the admin key when
-        one is set; a start-up task can be replaced only with it (403 otherwise).
+        one is set; a start-up task can be replaced only with it (403 otherwise). A body over ``max_task_bytes``
+        answers 413; more labels or examples than ``max_labels`` or ``max_examples``, or a new name once
+        ``max_tasks`` tasks are registered, 422 naming the limit.
         """
         operator = request.scope.get(ROLE) == "admin"
         service.check_writable(name, operator)  # before the body is parsed: a start-up task is refused whatever it holds
+        service.check_room(name)  # and a new task when max_tasks are registered
         body = await request.body()
         # parsed on a worker thread: a large or pathological task file must not hold up the event loop
-        task = await run_in_threadpool(_parse_upload, name, request.headers.get("content-type", ""), body)
+        content_type = request.headers.get("content-type", "")
+        task = await run_in_threadpool(parse_upload, name, content_type, body, service.settings, tuple(RUNNER_KINDS))
         runner, created = await service.register(task, operator=operator)
         response.status_code = 201 if created else 200
         return TaskInfo(**runner.describe())
@@ -194,24 +202,6 @@ def _task_routes(app: FastAPI, service: Service) -> None:
         Needs the admin key when one is set; a start-up task can be deleted only with it (403 otherwise)."""
         service.remove(name, operator=request.scope.get(ROLE) == "admin")
         return Response(status_code=204)
-
-
-def _parse_upload(name: str, content_type: str, body: bytes) -> Task | ExtractTask:
-    """The uploaded task, validated. Raises TaskError (bad task) or TaskUploadError (bad upload)."""
-    media_type = content_type.split(";")[0].strip().lower()
-    if media_type not in TASK_MEDIA_TYPES:
-        raise TaskUploadError(f"send the task as YAML or JSON (Content-Type one of {', '.join(TASK_MEDIA_TYPES)})")
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise TaskUploadError(f"the task body is not UTF-8 (byte {exc.start})") from None
-    task = parse_task(text, source=f"upload:{name}", kinds=tuple(RUNNER_KINDS))
-    if task.name != name:
-        raise TaskUploadError(f"the task body names {task.name!r} but the URL names {name!r}; make them match")
-    if getattr(task, "head", None) is not None:
-        raise TaskUploadError("an uploaded task cannot name a head file (head:): the server reads no file a request "
-                              "names; start the server with a task file that names its head")
-    return task
 
 
 async def _error_response(request: Request, exc: PrefixCacheError) -> JSONResponse:
@@ -254,6 +244,7 @@ def http_spelling(name: str, value: str | None = None) -> str:
 STATUS: tuple[tuple[type[PrefixCacheError], int], ...] = (
     ((UnknownTaskError, UnknownModelError), 404),
     (RequestFieldError, 400),
+    (TaskTooLargeError, 413),
     ((WrongTaskKindError, ItemError, RequestLimitError, TaskUploadError), 422),
     (ReadOnlyTaskError, 403),
     (QueueFullError, 429),

@@ -11,8 +11,11 @@ The event loop only routes: it never tokenizes and never runs the model.
 
 Every task's prefix lives in one :class:`~prefixcache.cache.pool.PrefixPool` (byte
 budget ``settings.cache_budget_bytes``, LRU eviction). Runners look their prefix
-up once per pass, on the model thread, so an evicted prefix is rebuilt when its
-task is next used; tasks with the same prefix tokens share one entry.
+up once per pass, on the model thread, and keep nothing of it between passes, so an
+evicted prefix is freed once its passes end and rebuilt when its task is next used:
+the prefix bytes alive are at most the budget plus the prefixes of passes in flight.
+Tasks with the same prefix tokens share one entry. ``settings.max_tasks`` caps how many
+tasks are registered.
 
 The tasks given to ``start`` are the operator's *start-up tasks*: only a caller acting for the operator
 (``operator=True``: the HTTP app passes it for the admin key) may replace or delete them.
@@ -37,7 +40,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 from ..errors import (
-    PoolBudgetError, ReadOnlyTaskError, RequestLimitError, TaskUploadError, UnknownTaskError, WrongTaskKindError,
+    PoolBudgetError, ReadOnlyTaskError, RequestLimitError, SettingsError, TaskUploadError, UnknownTaskError,
+    WrongTaskKindError, setting,
 )
 from ..model.load import LoadedModel
 from ..cache.pool import PoolConfig, PrefixPool
@@ -130,12 +134,16 @@ class Service:
         pinned (a pinned prefix is never evicted, so uploads could fill the pool and starve every
         other task); the operator's start-up tasks have neither limit.
         An upload may replace a start-up task only for the ``operator`` (it is then an uploaded task).
+        A new uploaded name needs room under ``settings.max_tasks`` (:meth:`check_room`), checked before and
+        after the build (two uploads may build at once); start-up tasks are counted by :meth:`check_startup`.
         Returns the runner and whether the name is new. Raises what ``build_runner`` raises
         (for an uploaded task, a prefix that cannot fit in the pool is a TaskUploadError),
-        TaskUploadError for an uploaded ``pin: true``, and ReadOnlyTaskError (:meth:`check_writable`).
+        TaskUploadError for an uploaded ``pin: true``, ReadOnlyTaskError (:meth:`check_writable`),
+        and what :meth:`check_room` raises.
         """
         if uploaded:
             self.check_writable(task.name, operator)
+            self.check_room(task.name)
         if uploaded and task.pin:
             raise TaskUploadError(
                 f"task {task.name!r}: field 'pin': only the tasks the server starts with may pin their prefix "
@@ -151,6 +159,8 @@ class Service:
             if not uploaded:
                 raise
             raise TaskUploadError(f"task {task.name!r}: {exc.args[0]}") from None  # args[0]: its setting markers kept
+        if uploaded:
+            self.check_room(task.name)
         created = task.name not in self._runners
         old = self._runners.get(task.name)
         self._runners[task.name] = runner
@@ -179,6 +189,23 @@ class Service:
                 f"task {name!r} was loaded at start-up and is read-only through the API: only the admin key "
                 f"({ADMIN_KEY_ENV}) may replace or delete it; register yours under another name"
             )
+
+    def check_startup(self, tasks: Sequence[Task | ExtractTask]) -> None:
+        """Raise SettingsError when ``tasks`` (the start-up tasks) name more tasks than ``settings.max_tasks``."""
+        count, limit = len({task.name for task in tasks}), self.settings.max_tasks
+        if count > limit:
+            raise SettingsError(f"{count} start-up tasks, more than max_tasks={limit}; raise {setting('max_tasks')} or "
+                                "start with fewer tasks")
+
+    def check_room(self, name: str) -> None:
+        """Raise TaskUploadError when ``name`` is not registered and ``settings.max_tasks`` tasks already are."""
+        limit = self.settings.max_tasks
+        if name in self._runners or len(self._runners) < limit:
+            return
+        raise TaskUploadError(
+            f"{len(self._runners)} tasks are registered, the most max_tasks={limit} allows: task {name!r} is not added; "
+            "delete one (DELETE /v1/tasks/{name}) or replace a registered task"
+        )
 
     def _release(self, old: TaskRunner) -> None:
         """Let the pool evict a dropped runner's prefix: unpin it, unless a registered task still pins it.

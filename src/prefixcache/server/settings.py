@@ -38,6 +38,14 @@ class ServerSettings:
         max_item_tokens: most tokens of one item's own part of the prompt (422 naming the item).
         max_body_bytes: largest request body accepted (413 above it).
         max_prefix_tokens: largest prefix an uploaded task may have (422 above it); start-up tasks are not limited.
+        max_task_bytes: largest task upload body (``PUT /v1/tasks/{name}``; 413 above it), checked before it is parsed.
+        max_labels: most labels (of an extraction task: fields) an uploaded task may have (422 above it), and
+            max_examples: most examples (``examples`` and ``example_pool`` together); both are counted on the
+            parsed YAML, before the task is validated.
+        max_tasks: most tasks registered at once, start-up tasks included. A new task beyond it gets 422
+            (replacing a registered one is allowed); more start-up tasks than this is a SettingsError.
+            Each task's prefix lives in the pool, so this bounds the runners, not prefix memory, which
+            ``cache_budget_bytes`` does.
         cache_budget_bytes: byte budget of the prefix pool that holds every task's prefix (least recently
             used prefixes are evicted, and rebuilt on their next use, to stay within it; the default is
             :class:`~prefixcache.cache.config.PoolConfig`'s, 256 MiB).
@@ -61,6 +69,10 @@ class ServerSettings:
     max_item_tokens: int = 512
     max_body_bytes: int = 1 << 20
     max_prefix_tokens: int = 8192
+    max_task_bytes: int = 256 * 1024
+    max_labels: int = 1000
+    max_examples: int = 1000
+    max_tasks: int = 100
     cache_budget_bytes: int = PoolConfig.budget_bytes
     method: str = "auto"
     api_key: str | None = field(default=None, repr=False)
@@ -68,7 +80,7 @@ class ServerSettings:
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_items", "max_item_tokens", "max_body_bytes", "max_prefix_tokens",
-                     "cache_budget_bytes"):
+                     "max_task_bytes", "max_labels", "max_examples", "max_tasks", "cache_budget_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1, not {getattr(self, name)}")
         for name in ("max_wait_ms", "arrival_gap_ms"):

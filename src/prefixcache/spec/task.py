@@ -13,7 +13,7 @@ import re
 import string
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -243,8 +243,14 @@ TASK_KINDS: dict[str, type[BaseModel]] = {"classify": Task, "extract": ExtractTa
 MAX_REPORTED_PROBLEMS = 20  # a task file's problems named in one error; the rest are counted
 
 
-def parse_task(text: str, source: str = "<string>", kinds: tuple[str, ...] = ("classify",)) -> Task:
+def parse_task(
+    text: str, source: str = "<string>", kinds: tuple[str, ...] = ("classify",),
+    check: Callable[[dict], None] | None = None,
+) -> Task:
     """Parse and validate a task from YAML (or JSON) text. ``kinds``: the task kinds the caller accepts.
+
+    ``check(data)``, when given, sees the parsed mapping before it is validated (a caller's own limits,
+    such as the server's caps on labels and examples); what it raises propagates unchanged.
 
     Raises:
         TaskError: naming ``source``, the line and the field for the first problems found,
@@ -264,6 +270,8 @@ def parse_task(text: str, source: str = "<string>", kinds: tuple[str, ...] = ("c
         raise TaskError(f"{source}: invalid YAML: nested too deeply") from None
     if not isinstance(data, dict):
         raise TaskError(f"{source}: a task file must be a mapping with keys name, instruction, labels, ...")
+    if check is not None:
+        check(data)
     model = _task_model(data, source, kinds)
     try:
         return model.model_validate(data)
