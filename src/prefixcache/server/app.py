@@ -210,7 +210,7 @@ async def _error_response(request: Request, exc: PrefixCacheError) -> JSONRespon
         raise exc
     status = _status(exc)
     headers = {"retry-after": str(exc.retry_after)} if isinstance(exc, QueueFullError) else None
-    if request.url.path in OPENAI_PATHS:
+    if request is not None and request.url.path in OPENAI_PATHS:
         body = openai_error(exc.render(http_spelling), status, getattr(exc, "param", None))
         return JSONResponse(body, status_code=status, headers=headers)
     body = {"detail": exc.render(http_spelling)}
