@@ -224,6 +224,14 @@ def test_pool_metrics_evictions_and_budget(loaded, task, extract_task):
         assert status == 200, body
         for result, want in zip(body["results"], reference):
             assert_same_prediction(result, want, "after an eviction")
+    # usage is what the pass did: the rebuilt prefix reused only the leading part it shares with the extract
+    # task's (the pool's extension, when that part is long enough); the held one, all of it, for both items
+    classify_ids, extract_ids = Classifier(loaded, task).prompt.prefix_ids, Extractor(loaded, extract_task).prompt.prefix_ids
+    shared = next((i for i, (a, b) in enumerate(zip(classify_ids, extract_ids)) if a != b), min(len(classify_ids), len(extract_ids)))
+    shared = shared if shared >= PoolConfig().min_shared_tokens else 0
+    assert first[2]["usage"]["prefix_tokens_reused"] == shared + len(classify_ids) < 2 * len(classify_ids), first[2]["usage"]
+    assert second[2]["usage"]["prefix_tokens_reused"] == 2 * len(classify_ids), second[2]["usage"]
+    assert "_prefix_tokens_reused" not in json.dumps(first[2])
     assert extracted[0] == 200 and extracted[2]["results"] == engine_results(loaded, extract_task, [Record(0, {"text": "crash"})])
     assert metric(samples, "prefixcache_pool_misses_total") == 4
     assert metric(samples, "prefixcache_pool_hits_total") == 1

@@ -68,7 +68,8 @@ class TaskRunner(Protocol):
         ...
 
     def run(self, batch: Sequence[WorkItem]) -> list[dict]:
-        """Forward ``batch`` (any mix of requests) and return one JSON-ready result per item, in order."""
+        """Forward ``batch`` (any mix of requests) and return one JSON-ready result per item, in order; each
+        may carry :data:`REUSED` for the usage, which :func:`reused_prefix_tokens` takes out."""
         ...
 
 
@@ -100,8 +101,23 @@ class _BoundRunner:
         return prepare_items(self.bound, tokenizer, records, max_item_tokens)
 
     def run(self, batch: Sequence[WorkItem]) -> list[dict]:
-        """One pass over the stored prefix (plus one over the empty prefix for boundary fallbacks)."""
-        return [result.to_json() for result in self.bound.run_prepared(batch)]
+        """One pass over the stored prefix (plus one over the empty prefix for boundary fallbacks).
+
+        Each result carries :data:`REUSED` (removed before it is answered): the stored-prefix tokens that its
+        item did not recompute. The pass's first item over the prefix is charged what the pool lookup
+        computed (a prefix evicted and rebuilt for this pass reused nothing, or only a shared leading part);
+        the pass's other items reused the whole prefix; an item re-encoded in full reused nothing.
+        """
+        self.bound.last_lookup = None
+        results = [result.to_json() for result in self.bound.run_prepared(batch)]
+        lookup = self.bound.last_lookup  # None: the runner keeps its own prefix (no pool), never rebuilt
+        charged = False
+        for item, result in zip(batch, results):
+            reused = 0 if item.full else self.prefix_tokens
+            if not item.full and not charged and lookup is not None:
+                reused, charged = lookup.tokens_reused, True
+            result[REUSED] = reused
+        return results
 
 
 class ClassifyRunner(_BoundRunner):
@@ -198,9 +214,13 @@ def prepare_items(bound: BoundTask, tokenizer, records: Sequence[Record], max_it
     return items
 
 
-def reused_prefix_tokens(runner: TaskRunner, items: Sequence[WorkItem]) -> int:
-    """Stored-prefix tokens that ``items`` did not recompute (none for an item re-encoded in full)."""
-    return sum(runner.prefix_tokens for item in items if not item.full)
+REUSED = "_prefix_tokens_reused"
+"""The key of a runner's result that says how many stored-prefix tokens its item did not recompute."""
+
+
+def reused_prefix_tokens(results: Sequence[dict]) -> int:
+    """Stored-prefix tokens the items of ``results`` did not recompute; takes :data:`REUSED` out of each result."""
+    return sum(result.pop(REUSED, 0) for result in results)
 
 
 def _check_prefix_limit(name: str, length: int, limit: int | None) -> None:

@@ -236,7 +236,7 @@ class Service:
         with self.batcher.admit(len(records)):
             prepared = await loop.run_in_executor(self._prep_threads, self._prepare, runner, records)
             results = await self.batcher.submit(runner, prepared)
-        usage = Usage(reused_prefix_tokens(runner, prepared), sum(len(item.rows) for item in prepared))
+        usage = Usage(reused_prefix_tokens(results), sum(len(item.rows) for item in prepared))
         return results, usage
 
     def _prepare(self, runner: TaskRunner, records: Sequence[Record]):
