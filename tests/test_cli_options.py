@@ -83,6 +83,7 @@ BAD = {
     ("serve", "--max-wait-ms"): ("-1", "--max-wait-ms", 2),
     ("serve", "--arrival-gap-ms"): ("-1", "--arrival-gap-ms", 2),
     ("serve", "--max-queue"): ("0", "--max-queue", 2),
+    ("serve", "--max-queue-per-client"): ("0", "--max-queue-per-client", 2),
     ("serve", "--max-items"): ("0", "--max-items", 2),
     ("serve", "--max-item-tokens"): ("0", "--max-item-tokens", 2),
     ("serve", "--max-body-bytes"): ("0", "--max-body-bytes", 2),

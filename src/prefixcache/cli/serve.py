@@ -34,6 +34,11 @@ def serve(
     max_queue: int = typer.Option(
         SERVER.max_queue, "--max-queue", min=1, help="Most items in progress at once (all requests); more gets 429."
     ),
+    max_queue_per_client: Optional[int] = typer.Option(
+        None, "--max-queue-per-client", min=1,
+        help="Most items in progress for one client (its key's role and address); more gets 429. "
+        "Default: half of --max-queue, at least --max-items.",
+    ),
     max_items: int = typer.Option(SERVER.max_items, "--max-items", min=1, help="Most items per request (422 above)."),
     max_item_tokens: int = typer.Option(SERVER.max_item_tokens, "--max-item-tokens", min=1, help="Most tokens per item (422 above)."),
     max_body_bytes: int = typer.Option(SERVER.max_body_bytes, "--max-body-bytes", min=1, help="Largest request body (413 above)."),
@@ -59,7 +64,7 @@ def serve(
     log_level = choice(log_level, LOG_LEVELS, "--log-level")
     settings = ServerSettings.from_env(
         host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms, arrival_gap_ms=arrival_gap_ms,
-        max_queue=max_queue, max_items=max_items,
+        max_queue=max_queue, max_queue_per_client=max_queue_per_client, max_items=max_items,
         max_item_tokens=max_item_tokens, max_body_bytes=max_body_bytes, max_prefix_tokens=max_prefix_tokens,
         max_task_bytes=max_task_bytes, max_labels=max_labels, max_examples=max_examples, max_tasks=max_tasks,
         method=choice(method, METHODS, "--method"),

@@ -41,7 +41,7 @@ from ..model.load import LoadedModel
 from ..spec.task import ExtractTask, Task
 from .prometheus import Metrics
 from .openai_routes import BODY_SCHEMAS, OPENAI_PATHS, add_openai_routes, openai_error
-from .middleware import PUBLIC_PATHS, ROLE, BearerAuth, BodyLimit, RequestMetrics, admin_only
+from .middleware import CLIENT, PUBLIC_PATHS, ROLE, BearerAuth, BodyLimit, RequestMetrics, admin_only
 from .runners import RUNNER_KINDS
 from .schemas import (
     ClassifyResponse, ErrorOut, ExtractResponse, Health, ItemsRequest, Stats, TaskInfo, TaskList, UsageOut,
@@ -133,20 +133,20 @@ def _service_routes(app: FastAPI, service: Service) -> None:
 def _item_routes(app: FastAPI, service: Service) -> None:
     """Classification and extraction of request items."""
     @app.post("/v1/classify", response_model=ClassifyResponse, response_model_exclude_none=True, tags=["items"])
-    async def classify(body: ItemsRequest) -> ClassifyResponse:
+    async def classify(body: ItemsRequest, request: Request) -> ClassifyResponse:
         """Classify every item with the task's labels. Results come back in the items' order."""
-        results, usage = await service.run("classify", body.task, body.records())
+        results, usage = await service.run("classify", body.task, body.records(), request.scope.get(CLIENT))
         return ClassifyResponse(results=results, usage=UsageOut(**asdict(usage)))
 
     @app.post("/v1/extract", response_model=ExtractResponse, tags=["items"])
-    async def extract(body: ItemsRequest) -> ExtractResponse:
+    async def extract(body: ItemsRequest, request: Request) -> ExtractResponse:
         """Extract the task's fields from every item with an extraction task (``kind: extract``).
 
         Each result holds the parsed ``fields`` (null when no JSON object was found), the generated
         text (``raw``) and an ``error`` when the output could not be parsed into the declared fields.
         Results come back in the items' order. A classification task here answers 422, an unknown one 404.
         """
-        results, usage = await service.run("extract", body.task, body.records())
+        results, usage = await service.run("extract", body.task, body.records(), request.scope.get(CLIENT))
         return ExtractResponse(results=results, usage=UsageOut(**asdict(usage)))
 
 

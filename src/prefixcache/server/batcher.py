@@ -10,7 +10,10 @@ One loop per model (an asyncio task) repeatedly:
    ``arrival_gap_ms`` (counting from the newest arrival or the end of the
    previous pass), whichever comes first;
 3. takes up to ``max_batch`` items, which may come from many requests (and a
-   large request may be split over several passes);
+   large request may be split over several passes): one item per client in
+   turn (each client's items in arrival order; the turn carries over to the
+   next pass), so one client's 256-item requests do not hold another client's
+   one item back until they have all run;
 4. runs them on the model thread (``runner.run``), the one thread that touches
    the model, so the event loop never blocks on torch;
 5. routes each result back to its request by (request, position): a request's
@@ -28,8 +31,12 @@ Invariant 2 under concurrency: every pass forks the read-only prefix (see
 
 The queue is bounded: at most ``max_queue`` items (over all tasks) may be
 *admitted* and not yet answered, counting from before tokenization to the end
-of their pass. A request that does not fit is refused whole, at once, with
-:class:`QueueFullError` (HTTP 429), before any work is spent on it.
+of their pass, and at most ``settings.client_share`` of them for one client
+(``client``: whatever the caller names it by; the HTTP app passes its role and
+address, see ``middleware.CLIENT``). A request that does not fit is refused whole,
+at once, with :class:`QueueFullError` (HTTP 429), before any work is spent on it.
+Items admitted without a client (``client=None``) count against ``max_queue`` only,
+and share one turn in the rotation.
 
 This module knows nothing about HTTP or tokenizers.
 """
@@ -43,7 +50,7 @@ from collections import deque
 from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Hashable, Iterator, Sequence
 
 from .prometheus import Metrics
 from ..errors import QueueFullError, ShuttingDownError
@@ -71,33 +78,60 @@ class _Job:
 
 @dataclass(eq=False)
 class _Queue:
-    """Items waiting for one runner, as (job, position in the job) slots in arrival order."""
+    """Items waiting for one runner: per client, (job, position in the job) slots in arrival order.
+
+    ``lanes`` is in turn order: :meth:`take` serves the first lane's oldest slot, then moves
+    that lane to the back, so clients take turns item by item, and the turn carries over
+    from one pass to the next. A client's lane exists only while it holds slots.
+    """
 
     runner: TaskRunner
-    slots: deque[tuple[_Job, int]] = field(default_factory=deque)
+    lanes: dict[Hashable, deque[tuple[_Job, int]]] = field(default_factory=dict)
+    size: int = 0
+    last_arrival: float = 0.0
+
+    def add(self, job: _Job, client: Hashable) -> None:
+        self.lanes.setdefault(client, deque()).extend((job, position) for position in range(len(job.items)))
+        self.size += len(job.items)
+        self.last_arrival = job.enqueued_at
 
     def head_time(self) -> float:
-        return self.slots[0][0].enqueued_at
+        """When the oldest slot still queued arrived."""
+        return min(lane[0][0].enqueued_at for lane in self.lanes.values())
 
     def newest_time(self) -> float:
-        return self.slots[-1][0].enqueued_at
+        """When the newest slot arrived."""
+        return self.last_arrival
+
+    def slots(self) -> Iterator[tuple[_Job, int]]:
+        """Every queued slot (in no particular order)."""
+        for lane in self.lanes.values():
+            yield from lane
 
     def take(self, limit: int) -> tuple[list[tuple[_Job, int]], int]:
-        """Up to ``limit`` live slots, and how many slots left the queue (cancelled ones are dropped)."""
+        """Up to ``limit`` live slots, one per client in turn, and how many slots left the queue
+        (cancelled ones are dropped and do not use up their client's turn)."""
         taken, removed = [], 0
-        while self.slots and len(taken) < limit:
-            job, position = self.slots.popleft()
-            removed += 1
-            if not job.future.done():  # done early: its client went away or another pass failed
-                taken.append((job, position))
+        while self.lanes and len(taken) < limit:
+            client = next(iter(self.lanes))
+            lane = self.lanes.pop(client)
+            while lane:
+                job, position = lane.popleft()
+                removed += 1
+                if not job.future.done():  # done early: its client went away or another pass failed
+                    taken.append((job, position))
+                    break
+            if lane:
+                self.lanes[client] = lane  # to the back: the next client's turn
+        self.size -= removed
         return taken, removed
 
 
 class MicroBatcher:
     """Merges the queued items of each runner into forward passes on one model thread.
 
-    Contract: ``admit(n)`` reserves room for ``n`` items or raises ``QueueFullError``
-    at once; inside it, ``submit`` returns exactly one result per item, in the items'
+    Contract: ``admit(n, client)`` reserves room for ``n`` items of ``client`` or raises
+    ``QueueFullError`` at once; inside it, ``submit`` (with the same ``client``) returns exactly one result per item, in the items'
     order, or raises (the runner's exception if its pass failed; ``ShuttingDownError``
     if the batcher stopped first). Call every method from the event loop's thread.
     """
@@ -108,10 +142,12 @@ class MicroBatcher:
         self._max_wait = settings.max_wait_s
         self._arrival_gap = settings.arrival_gap_s
         self._max_queue = settings.max_queue
+        self._client_share = settings.client_share
         self._metrics = metrics
         self._queues: dict[TaskRunner, _Queue] = {}
         self._depth = 0  # queued, not yet in a pass
         self._admitted = 0  # admitted and not yet answered (preparing, queued or in a pass)
+        self._admitted_by: dict[Hashable, int] = {}  # the same, per named client (absent: none)
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._free_since = 0.0  # loop time the model thread last became free
@@ -142,35 +178,53 @@ class MicroBatcher:
             await asyncio.gather(self._loop_task, return_exceptions=True)
             self._loop_task = None
         for queue in self._queues.values():
-            _fail(queue.slots, ShuttingDownError("the server is shutting down; retry elsewhere"))
+            _fail(queue.slots(), ShuttingDownError("the server is shutting down; retry elsewhere"))
         self._queues.clear()
         self._set_depth(0)
 
     @contextmanager
-    def admit(self, count: int) -> Iterator[None]:
-        """Hold room for ``count`` items while the request is prepared, queued and run.
+    def admit(self, count: int, client: Hashable | None = None) -> Iterator[None]:
+        """Hold room for ``count`` items of ``client`` while the request is prepared, queued and run.
+
+        The room is under ``max_queue`` (all clients) and, for a named ``client``, under
+        ``client_share`` (that client's items in progress); ``client=None`` is bound by ``max_queue`` only.
 
         Raises:
             QueueFullError: the room is not there; nothing was reserved.
         """
+        held = self._admitted_by.get(client, 0) if client is not None else 0
+        if client is not None and held + count > self._client_share:
+            self._refuse(f"this client has {held} items in progress and one client may have at most "
+                         f"{self._client_share}; retry later", held + count - self._client_share)
         if self._admitted + count > self._max_queue:
-            self._metrics.queue_rejections.inc()
-            raise QueueFullError(
-                f"{self._admitted} items are in progress and at most {self._max_queue} may be; retry later",
-                retry_after=self._retry_after(count),
-            )
-        self._admitted += count
-        self._metrics.in_progress.set(self._admitted)
+            self._refuse(f"{self._admitted} items are in progress and at most {self._max_queue} may be; retry later",
+                         self._admitted + count - self._max_queue)
+        self._hold(client, count)
         try:
             yield
         finally:
-            self._admitted -= count
-            self._metrics.in_progress.set(self._admitted)
+            self._hold(client, -count)
 
-    async def submit(self, runner: TaskRunner, items: Sequence[WorkItem]) -> list[dict]:
+    def _refuse(self, message: str, over: int) -> None:
+        self._metrics.queue_rejections.inc()
+        raise QueueFullError(message, retry_after=self._retry_after(over))
+
+    def _hold(self, client: Hashable | None, count: int) -> None:
+        """Add ``count`` (negative: give back) to the items in progress, in all and for ``client``."""
+        self._admitted += count
+        self._metrics.in_progress.set(self._admitted)
+        if client is not None:
+            held = self._admitted_by.get(client, 0) + count
+            if held:
+                self._admitted_by[client] = held
+            else:
+                del self._admitted_by[client]
+
+    async def submit(self, runner: TaskRunner, items: Sequence[WorkItem], client: Hashable | None = None) -> list[dict]:
         """Queue ``items`` for ``runner`` and wait for their results (one per item, in order).
 
-        Call it inside ``admit(len(items))``: the queue bound is enforced there.
+        Call it inside ``admit(len(items), client)``: the queue bounds are enforced there. ``client``
+        also names the turn the items wait in (passes take one item per client in turn).
         """
         if not items:
             return []
@@ -181,7 +235,7 @@ class MicroBatcher:
         queue = self._queues.get(runner)
         if queue is None:
             queue = self._queues[runner] = _Queue(runner)
-        queue.slots.extend((job, position) for position in range(len(items)))
+        queue.add(job, client)
         self._set_depth(self._depth + len(items))
         self._wake.set()
         return await job.future
@@ -194,7 +248,7 @@ class MicroBatcher:
             await self._fill(queue)
             batch, removed = queue.take(self._max_batch)
             self._set_depth(self._depth - removed)
-            if not queue.slots:
+            if not queue.size:
                 del self._queues[queue.runner]
             if batch:
                 await self._execute(queue.runner, batch)
@@ -211,7 +265,7 @@ class MicroBatcher:
         model could first take it) is over, or items have stopped arriving for the arrival gap."""
         loop = asyncio.get_running_loop()
         deadline = max(queue.head_time(), self._free_since) + self._max_wait
-        while len(queue.slots) < self._max_batch:
+        while queue.size < self._max_batch:
             quiet = max(queue.newest_time(), self._free_since) + self._arrival_gap
             timeout = min(deadline, quiet) - loop.time()
             if timeout <= 0:
@@ -254,12 +308,12 @@ class MicroBatcher:
         self._depth = depth
         self._metrics.queue_depth.set(depth)
 
-    def _retry_after(self, incoming: int) -> int:
-        """Seconds until enough items have likely been answered, from the recent rate (1 to 60)."""
+    def _retry_after(self, over: int) -> int:
+        """Seconds until ``over`` more items have likely been answered, from the recent rate (1 to 60)."""
         rate = self._metrics.items_per_second()
         if rate <= 0:
             return 1
-        return max(1, min(60, math.ceil((self._admitted + incoming - self._max_queue) / rate) + 1))
+        return max(1, min(60, math.ceil(over / rate) + 1))
 
 
 def _report_crash(task: asyncio.Task) -> None:

@@ -10,7 +10,8 @@ Each is a plain ASGI wrapper, so it also covers routes FastAPI builds itself
   <key>`` (the client key or the admin key). When the admin key is configured,
   the admin paths (:func:`admin_only`) need it: the client key gets 403 there, no
   key or a wrong one 401. Either answer comes before the body is read. The caller's
-  role goes into the scope (:data:`ROLE`) for the routes.
+  role goes into the scope (:data:`ROLE`) for the routes, and so does who is calling
+  (:data:`CLIENT`, for the batcher's per-client share and turns).
 * :class:`BodyLimit`: bodies over ``max_bytes`` get 413, whether announced by
   ``Content-Length`` or streamed in chunks; the app sees a body only once it
   is known to fit.
@@ -34,6 +35,13 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 ROLE = "prefixcache.role"
 """The scope key of the caller's role: ``"admin"`` (it sent the admin key, and one is configured),
 ``"client"`` (it sent the client key) or None (no key, or no key is configured)."""
+
+CLIENT = "prefixcache.client"
+"""The scope key of who is calling, as the batcher tells clients apart: the role and the peer's host
+(``"client@10.0.0.7"``, ``"admin@10.0.0.7"``, ``"anonymous@10.0.0.7"``). Not a key hash: there is one client
+key, so every key holder would be one client. Not the port: a client opening more connections would get
+more shares. Behind a proxy the host is the proxy's unless uvicorn is told to trust it (``--forwarded-allow-ips``),
+and then every client the proxy forwards is one client."""
 
 PUBLIC_PATHS = frozenset({"/healthz", "/"})
 """Paths open without a key: the health check, and the static web page (a browser cannot attach a
@@ -99,6 +107,7 @@ class BearerAuth:
             await self.app(scope, receive, send)
             return
         role = scope[ROLE] = self._role(scope)
+        scope[CLIENT] = client_identity(role, scope.get("client"))
         if scope["path"] in PUBLIC_PATHS:
             allowed = True
         elif self.admin_key is not None and admin_only(scope["method"], scope["path"]):
@@ -129,6 +138,12 @@ class BearerAuth:
         admin = self.admin_key is not None and hmac.compare_digest(token, self.admin_key)
         client = self.key is not None and hmac.compare_digest(token, self.key)
         return "admin" if admin else "client" if client else None
+
+
+def client_identity(role: str | None, peer: tuple | None) -> str:
+    """``role@host`` (:data:`CLIENT`) from the caller's role and the ASGI ``client`` (host, port), which may be None."""
+    host = peer[0] if peer else "unknown"
+    return f"{role or 'anonymous'}@{host}"
 
 
 class BodyLimit:

@@ -37,7 +37,7 @@ import logging
 import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Hashable, Sequence, TypeVar
 
 from ..errors import (
     PoolBudgetError, ReadOnlyTaskError, RequestLimitError, SettingsError, TaskUploadError, UnknownTaskError,
@@ -221,8 +221,12 @@ class Service:
 
     # --- items -------------------------------------------------------------------------------------
 
-    async def run(self, kind: str, name: str, records: Sequence[Record]) -> tuple[list[dict], Usage]:
+    async def run(
+        self, kind: str, name: str, records: Sequence[Record], client: Hashable | None = None
+    ) -> tuple[list[dict], Usage]:
         """Prepare ``records`` for task ``name`` (of ``kind``), run them through the batcher, return results and usage.
+
+        ``client`` names the caller for the batcher's per-client share and turns (None: bound by ``max_queue`` only).
 
         Raises:
             UnknownTaskError, WrongTaskKindError, RequestLimitError, ItemError, QueueFullError, ShuttingDownError.
@@ -233,9 +237,9 @@ class Service:
                 f"{len(records)} items in one request, more than max_items={self.settings.max_items}; split the request"
             )
         loop = asyncio.get_running_loop()
-        with self.batcher.admit(len(records)):
+        with self.batcher.admit(len(records), client):
             prepared = await loop.run_in_executor(self._prep_threads, self._prepare, runner, records)
-            results = await self.batcher.submit(runner, prepared)
+            results = await self.batcher.submit(runner, prepared, client)
         usage = Usage(reused_prefix_tokens(results), sum(len(item.rows) for item in prepared))
         return results, usage
 

@@ -34,6 +34,10 @@ class ServerSettings:
             a burst of requests (clients answered by the last pass coming back) is gathered whole,
             and a lone request is not held for ``max_wait_ms``.
         max_queue: most items in progress (being tokenized, queued or in a pass; all tasks together); more gets 429.
+        max_queue_per_client: most items in progress for one client (the HTTP app tells clients apart by their
+            role and address); more gets 429 even while ``max_queue`` has room. None (the default) means half of
+            ``max_queue``, but at least ``max_items``: see :attr:`client_share`. At least ``max_items`` (a
+            request of ``max_items`` must fit) and at most ``max_queue``.
         max_items: most items in one request (422 above it).
         max_item_tokens: most tokens of one item's own part of the prompt (422 naming the item).
         max_body_bytes: largest request body accepted (413 above it).
@@ -65,6 +69,7 @@ class ServerSettings:
     max_wait_ms: float = 50.0
     arrival_gap_ms: float = 20.0
     max_queue: int = 1024
+    max_queue_per_client: int | None = None
     max_items: int = 256
     max_item_tokens: int = 512
     max_body_bytes: int = 1 << 20
@@ -92,11 +97,25 @@ class ServerSettings:
             raise SettingsError(
                 f"max_items ({self.max_items}) exceeds max_queue ({self.max_queue}): such a request could never be queued"
             )
+        share = self.max_queue_per_client
+        if share is not None and not self.max_items <= share <= self.max_queue:
+            raise SettingsError(
+                f"max_queue_per_client ({share}) must be between max_items ({self.max_items}) and max_queue "
+                f"({self.max_queue}): below max_items a full request could never be queued"
+            )
         for env, key in ((API_KEY_ENV, self.api_key), (ADMIN_KEY_ENV, self.admin_key)):
             if key is not None and not key.strip():
                 raise SettingsError(f"{env} is set but empty; unset it or give it a value")
         if self.admin_key is not None and self.admin_key == self.api_key:
             raise SettingsError(f"{ADMIN_KEY_ENV} and {API_KEY_ENV} must differ: a client holding the one key would be admin")
+
+    @property
+    def client_share(self) -> int:
+        """Most items one client may have in progress: ``max_queue_per_client``, or by default
+        half of ``max_queue`` but at least ``max_items``."""
+        if self.max_queue_per_client is not None:
+            return self.max_queue_per_client
+        return max(self.max_items, self.max_queue // 2)
 
     @property
     def max_wait_s(self) -> float:
