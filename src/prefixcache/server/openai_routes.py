@@ -26,6 +26,7 @@ from .openai_plan import Plan, chat_response, completion_response, plan, respons
 from .openai_schemas import (
     ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList, OpenAIError, parse_request,
 )
+from .middleware import CLIENT
 from .service import Service
 
 OPENAI_PATHS = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions"})
@@ -51,13 +52,13 @@ def add_openai_routes(app: FastAPI, service: Service) -> None:
     async def chat_completions(request: Request):
         """OpenAI chat completions: generation, or ``guided_choice`` scored over the cached prompt.
         The prompt's leading messages are stored as a prefix for the next request that shares them."""
-        return await _serve(service, model_name, ChatCompletionRequest, await request.body())
+        return await _serve(service, model_name, ChatCompletionRequest, await request.body(), request.scope.get(CLIENT))
 
     @app.post("/v1/completions", response_model=Completion, tags=["openai"], responses=_STREAMED,
               openapi_extra=_body(CompletionRequest, model_name))
     async def completions(request: Request):
         """OpenAI text completions over a prompt string or token ids, with the same prefix reuse."""
-        return await _serve(service, model_name, CompletionRequest, await request.body())
+        return await _serve(service, model_name, CompletionRequest, await request.body(), request.scope.get(CLIENT))
 
 
 def openai_error(message: str, status: int, param: str | None = None) -> dict:
@@ -68,7 +69,8 @@ def openai_error(message: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-async def _serve(service: Service, model_name: str, kind, body: bytes):
+async def _serve(service: Service, model_name: str, kind, body: bytes, client: str | None):
+    """Parse, plan, queue and answer one request; ``client`` (the auth middleware's caller) gets its share of the queue."""
     request = parse_request(kind, body)
     if request.model != model_name:
         raise UnknownModelError(f"model {request.model!r} is not served here; this server runs {model_name!r} (GET /v1/models)")
@@ -77,18 +79,19 @@ async def _serve(service: Service, model_name: str, kind, body: bytes):
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         return StreamingResponse(
-            _stream(service, planned, model_name, chat, include_usage), media_type="text/event-stream",
+            _stream(service, planned, model_name, chat, include_usage, client), media_type="text/event-stream",
             headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )
-    with service.batcher.admit(1):
-        result = (await service.batcher.submit(planned.runner, [planned.item]))[0]
+    with service.batcher.admit(1, client=client):
+        result = (await service.batcher.submit(planned.runner, [planned.item], client=client))[0]
     build = chat_response if chat else completion_response
     if result.get("logprobs"):
         return await service.on_prep_thread(lambda tokenizer: build(result, model_name, tokenizer))
     return build(result, model_name, None)
 
 
-async def _stream(service: Service, planned: Plan, model_name: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(service: Service, planned: Plan, model_name: str, chat: bool, include_usage: bool,
+                  client: str | None) -> AsyncIterator[str]:
     """Server-sent events: a first chunk (the assistant's role), text pieces as tokens arrive, the finish
     reason, the usage when asked, and ``[DONE]``. An error after the first byte becomes an error event."""
     chunk = _Chunks(response_id("chatcmpl" if chat else "cmpl"), model_name, chat)
@@ -97,10 +100,10 @@ async def _stream(service: Service, planned: Plan, model_name: str, chat: bool, 
     planned.item.on_token = lambda token: loop.call_soon_threadsafe(tokens.put_nowait, token)
     text = _StreamText(service.stream_tokenizer, planned.stops)
     try:
-        with service.batcher.admit(1):
+        with service.batcher.admit(1, client=client):
             if chat:
                 yield chunk.event(role="assistant", content="")
-            job = asyncio.ensure_future(service.batcher.submit(planned.runner, [planned.item]))
+            job = asyncio.ensure_future(service.batcher.submit(planned.runner, [planned.item], client=client))
             while not job.done() or not tokens.empty():
                 getter = asyncio.ensure_future(tokens.get())
                 await asyncio.wait({getter, job}, return_when=asyncio.FIRST_COMPLETED)
