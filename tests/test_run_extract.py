@@ -2,7 +2,9 @@
 
 Tiny random models produce gibberish, so these tests check decoding and bookkeeping,
 not the quality of the fields: outputs must be identical token for token, stop rules
-must hold, parse failures must land on their records, and nothing may be lost.
+must hold, parse failures must land on their records, and nothing may be lost. The plain
+loop is free decoding, so those tests run extractors with ``constrained=False``; decoding
+under the answer schema (the default) is tested in test_engine_constraint.py.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def full_ids(extractor: Extractor, text: str) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("mode, batch", [("cached", 1), ("batched", 2), ("batched", 7)])
 def test_cached_generation_equals_uncached_plain_loop(tiny, extract_task, mode, batch):
-    extractor = Extractor(tiny, extract_task)
+    extractor = Extractor(tiny, extract_task, constrained=False)
     records = records_from_texts(TEXTS)
     got = extractor.extract_all(records, RunConfig(mode, batch))
     eos = extractor.generation.eos_ids
@@ -235,16 +237,21 @@ def test_cli_classify_refuses_an_extract_task(model_dir, files):
     assert result.exit_code == 2 and "prefixcache extract" in result.output
 
 
-def test_bench_extract_reports_ttft_and_tokens_per_s(model_dir, files):
+def test_bench_extract_reports_ttft_and_tokens_per_s(model_dir, files, tmp_path):
     task_file, _ = files
-    options = BenchOptions(task=task_file, items=4, model=model_dir, dtype="float32", threads=None, batch_size=4, llama_cpp=False)
+    roomy = tmp_path / "roomy.yaml"  # room for the tiny tokenizer's shortest constrained answer
+    roomy.write_text(EXTRACT_YAML.replace("max_new_tokens: 10", "max_new_tokens: 40"))
+    options = BenchOptions(task=str(roomy), items=4, model=model_dir, dtype="float32", threads=None, batch_size=4, llama_cpp=False)
     lines: list[str] = []
     report, document = run_extract_bench(options, log=lines.append)
-    assert [r.mode for r in report.results] == ["full", "cached", "batched"]
-    assert all(r.label_agreement == 1.0 for r in report.results), "cached outputs must equal uncached outputs"
+    assert [r.mode for r in report.results] == ["full", "cached", "batched", "batched-unconstrained"]
+    assert all(r.label_agreement == 1.0 for r in report.results[:3]), "cached outputs must equal uncached outputs"
     lanes = {lane["mode"]: lane for lane in document["extract"]}
-    assert set(lanes) == {"full", "cached", "batched"}
-    for lane in lanes.values():
-        assert lane["ttft_ms_mean"] > 0 and lane["tokens_per_s"] > 0 and lane["identical"] == 1.0
+    for name in ("full", "cached", "batched"):
+        lane = lanes[name]
+        assert lane["ttft_ms_mean"] > 0 and lane["tokens_per_s"] > 0 and lane["identical"] == 1.0 and lane["constrained"]
+        assert lane["parse_errors"] == 0, f"{name}: a constrained output failed to parse"
+    assert not lanes["batched-unconstrained"]["constrained"] and lanes["batched-unconstrained"]["parse_errors"] > 0
+    assert document["constrained_over_unconstrained"] > 0
     assert any("time to first token" in line for line in lines)
     assert {"model", "items", "prefix_tokens", "threads"} <= set(document)

@@ -13,6 +13,7 @@ import json
 import math
 import threading
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -256,6 +257,78 @@ def test_seeded_sampling_repeats_alone_or_batched(client, loaded):
     assert len({first, other.choices[0].message.content, greedy.choices[0].message.content}) >= 2, "sampling changed nothing"
 
 
+# --- response_format: JSON decoding constraints ---------------------------------------------------------------------
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+TICKET_SCHEMA = {
+    "type": "object",
+    "properties": {"category": {"enum": CHOICES}, "urgent": {"type": "boolean"}},
+    "required": ["category", "urgent"],
+    "additionalProperties": False,
+}
+
+
+def json_schema_format(schema: dict, name: str = "answer") -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def test_json_object_and_json_schema_answers_parse_and_validate(client, loaded):
+    """A random model's free answer is not JSON; under response_format every answer is, streamed or not."""
+    messages = chat(TEXTS[2])
+    free = client.chat.completions.create(model=loaded.spec, messages=messages, max_tokens=48, temperature=0)
+    with pytest.raises(ValueError):
+        json.loads(free.choices[0].message.content)
+    answer = client.chat.completions.create(model=loaded.spec, messages=messages, max_tokens=48, temperature=0,
+                                            response_format={"type": "json_object"})
+    assert isinstance(json.loads(answer.choices[0].message.content), dict)
+    for schema in (PERSON_SCHEMA, TICKET_SCHEMA):
+        for temperature in (0, 1.0):
+            response = client.chat.completions.create(model=loaded.spec, messages=messages, max_tokens=64, temperature=temperature,
+                                                      seed=5, response_format=json_schema_format(schema))
+            jsonschema.validate(json.loads(response.choices[0].message.content), schema)
+    stream = client.chat.completions.create(model=loaded.spec, messages=messages, max_tokens=64, temperature=0, stream=True,
+                                            response_format=json_schema_format(PERSON_SCHEMA))
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in stream if c.choices)), PERSON_SCHEMA)
+
+
+def test_requests_with_different_schemas_at_once_each_follow_their_own(client, loaded):
+    """Concurrent requests with the same prompt and settings but two schemas: none may share the other's pass."""
+    schemas = [PERSON_SCHEMA, TICKET_SCHEMA] * 3
+    answers: list = [None] * len(schemas)
+    barrier = threading.Barrier(len(schemas))
+
+    def send(i):
+        barrier.wait()
+        answers[i] = client.chat.completions.create(model=loaded.spec, messages=chat(TEXTS[3]), max_tokens=64, temperature=0,
+                                                    response_format=json_schema_format(schemas[i]))
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(schemas))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for schema, answer in zip(schemas, answers):
+        jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
+
+
+@pytest.mark.parametrize("response_format, param", [
+    (json_schema_format({"type": "strin"}), "response_format"),
+    (json_schema_format({"type": "object", "required": ["a"], "additionalProperties": False}), "response_format"),
+    ({"type": "json_schema"}, "response_format"),
+    ({"type": "yaml"}, "response_format.type"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "colour": 1}}, "response_format.json_schema.colour"),
+])
+def test_a_bad_response_format_is_a_400_naming_it(client, loaded, response_format, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=loaded.spec, messages=chat("hi"), extra_body={"response_format": response_format})
+    assert caught.value.body["param"] == param, caught.value.body
+
+
 # --- refusals, in OpenAI's error shape -----------------------------------------------------------------------------
 
 
@@ -263,7 +336,7 @@ def test_seeded_sampling_repeats_alone_or_batched(client, loaded):
     ({"logit_bias": {"1": 2}}, "logit_bias"),
     ({"n": 2}, "n"),
     ({"max_tokens": 100_000}, "max_tokens"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "guided_choice": CHOICES}, "response_format"),
     ({"guided_choice": ["billing"]}, "guided_choice"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"tools": []}, "tools"),

@@ -101,6 +101,11 @@ class HeadMismatchError(PrefixCacheError):
     """
 
 
+class ConstraintError(PrefixCacheError):
+    """Decoding cannot be constrained as asked: the JSON Schema is invalid, unsatisfiable or uses a keyword the
+    grammar engine does not implement, or the tokenizer is not a fast one. The message says which."""
+
+
 class ExtraNotInstalledError(PrefixCacheError):
     """A feature needs an optional extra (``pip install 'prefixcache[serve]'``, say) that is not installed."""
 

@@ -2,6 +2,9 @@
 
 ``prefixcache bench --task <extraction task>`` runs :func:`run_extract_bench`; its rows are the
 classification benchmark's :class:`~prefixcache.bench.lanes.ModeResult`, so one table prints both.
+The ``full``, ``cached`` and ``batched`` lanes decode under the task's answer schema (as ``extract`` does);
+a last lane, ``batched-unconstrained``, decodes the same batches freely, to show what the constraint costs
+and how many outputs it changes or rescues.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ from ..types import Mode, Record, RunConfig
 from .lanes import BenchReport, ModeResult, dtype_name
 from .options import BenchOptions
 
+UNCONSTRAINED = "batched-unconstrained"  # the lane that decodes without the answer schema
+
 
 @dataclass(frozen=True)
 class ExtractLaneResult:
-    """One extraction lane's figures; ``identical`` is the share of records whose output equals the ``full`` lane's."""
+    """One extraction lane's figures; ``identical`` is the share of records whose output equals the ``full`` lane's
+    (for the unconstrained lane, the constrained ``batched`` lane's: the outputs the constraint left as they were)."""
 
     mode: str
     batch_size: int
@@ -33,32 +39,39 @@ class ExtractLaneResult:
     prefill_tokens: int
     identical: float
     parse_errors: int
+    constrained: bool = True
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
 def bench_extract(
-    extractor: Extractor, records: list[Record], batch_size: int, log: Callable[[str], None] = print
+    extractor: Extractor, records: list[Record], batch_size: int, log: Callable[[str], None] = print,
+    free: Extractor | None = None,
 ) -> list[ExtractLaneResult]:
-    """Time full (uncached), cached and batched extraction on the same records, after a warm-up."""
-    extractor.extract_all(records[:1], RunConfig(Mode.BATCHED, 1))  # builds the prefix, warms kernels
-    results, reference = [], None
-    for mode in Mode:  # full (the reference) first
+    """Time full (uncached), cached and batched extraction on the same records, after a warm-up; then, with an
+    unconstrained ``free`` extractor of the same task, batched extraction without the constraint."""
+    lanes = [(mode.value, extractor, mode) for mode in Mode]  # full (the reference) first
+    if free is not None:
+        lanes.append((UNCONSTRAINED, free, Mode.BATCHED))
+    for each in (extractor,) if free is None else (extractor, free):
+        each.extract_all(records[:1], RunConfig(Mode.BATCHED, 1))  # builds the prefix, warms kernels
+    results, outputs_of = [], {}
+    for name, each, mode in lanes:
         size = mode.pass_size(batch_size)
-        log(f"running extract [{mode}] on {len(records)} records ...")
+        log(f"running extract [{name}] on {len(records)} records ...")
         stats = ExtractStats()
         started = time.perf_counter()
-        outputs = extractor.extract_all(records, RunConfig(mode, size), stats=stats)
+        outputs = outputs_of[name] = each.extract_all(records, RunConfig(mode, size), stats=stats)
         seconds = time.perf_counter() - started
-        reference = reference or outputs
+        reference = outputs_of[Mode.BATCHED.value if name == UNCONSTRAINED else Mode.FULL.value]
         ttft = [1000 * s for s in stats.first_token_s] or [0.0]
         results.append(
             ExtractLaneResult(
-                mode.value, size, len(records), seconds, statistics.fmean(ttft), statistics.median(ttft),
+                name, size, len(records), seconds, statistics.fmean(ttft), statistics.median(ttft),
                 stats.tokens_generated,
                 stats.tokens_generated / seconds if seconds else 0.0, stats.prefill_tokens,
-                compare_extractions(reference, outputs).rate, stats.parse_errors,
+                compare_extractions(reference, outputs).rate, stats.parse_errors, each.constraint is not None,
             )
         )
     return results
@@ -83,12 +96,14 @@ def run_extract_bench(options: BenchOptions, log: Callable[[str], None] = print)
     extractor = Extractor(loaded, task)
     log(f"model {loaded.identity}, {threads} threads, dtype {dtype_name(loaded.dtype)}, extract task {task.name}")
     records = ticket_records(options.items)
-    lanes = bench_extract(extractor, records, options.batch_size, log)
+    lanes = bench_extract(extractor, records, options.batch_size, log, free=Extractor(loaded, task, constrained=False))
     full_seconds = lanes[0].seconds
     for lane in lanes:
         log(
             f"extract [{lane.mode}] B={lane.batch_size}: time to first token {lane.ttft_ms_mean:.1f} ms (median "
-            f"{lane.ttft_ms_p50:.1f}), {lane.tokens_per_s:.1f} tokens/s, {lane.identical:.0%} identical to uncached"
+            f"{lane.ttft_ms_p50:.1f}), {lane.tokens_per_s:.1f} tokens/s, {1000 * lane.seconds / lane.records:.1f} "
+            f"ms/record, {lane.parse_errors} unparsable, {lane.identical:.0%} identical to "
+            + ("constrained batched" if lane.mode == UNCONSTRAINED else "uncached")
         )
     rows = [
         ModeResult(
@@ -103,5 +118,6 @@ def run_extract_bench(options: BenchOptions, log: Callable[[str], None] = print)
         "kind": "extract", "items": len(records), "prefix_tokens": len(extractor.prompt.prefix_ids),
         "prefix_seconds": extractor.prefix_seconds, "modes": [r.to_json() for r in rows],
         "extract": [lane.to_json() for lane in lanes],
+        "constrained_over_unconstrained": lanes[2].seconds / lanes[3].seconds if lanes[3].seconds else None,
     }
     return BenchReport(rows, {}), document

@@ -37,16 +37,21 @@ def extract(
     cache_dir_budget: Optional[str] = CacheDirBudgetOpt,
     kv_storage: str = KVStorageOpt,
     eviction: str = EvictionOpt,
+    constrained: bool = typer.Option(
+        True, "--constrained/--unconstrained",
+        help="Decode under the task's answer schema (the default: every output parses), or freely.",
+    ),
 ):
     """Extract the task's fields from every record by greedy generation after the cached prefix.
 
-    Writes one JSON line per record: id, fields, raw (the generated text), error (a parse failure names
-    what is wrong). Exit code 1 when any record has an error.
+    Decoding follows the task's answer schema (a JSON object of exactly the declared fields, strings or
+    null) unless --unconstrained. Writes one JSON line per record: id, fields, raw (the generated text),
+    error (a parse failure names what is wrong). Exit code 1 when any record has an error.
     """
     config = RunConfig(choice(mode, MODES, "--mode"), batch_size)
     output_path(out_path, "--out")
     pool = make_pool(cache_budget, cache_dir, kv_storage, eviction, cache_dir_budget)
-    extractor = setup_extractor(task, model, dtype, threads, pool, max_new_tokens)
+    extractor = setup_extractor(task, model, dtype, threads, pool, max_new_tokens, constrained)
     stats = extract_into(extractor, input, text_field, id_field, config, out_path)
     err.print(
         f"{stats.records} records in {stats.seconds:.1f} s, {stats.tokens_generated} tokens generated "

@@ -69,15 +69,17 @@ def is_extract(task: str) -> bool:
     return isinstance(load_any_task(task), ExtractTask)
 
 
-def setup_extractor(task: str, model: str, dtype: str, threads: Optional[int], pool, max_new_tokens: Optional[int] = None):
-    """An :class:`~prefixcache.run.extract.Extractor` of ``--task`` (which must be an extraction task)."""
+def setup_extractor(task: str, model: str, dtype: str, threads: Optional[int], pool, max_new_tokens: Optional[int] = None,
+                    constrained: bool = True):
+    """An :class:`~prefixcache.run.extract.Extractor` of ``--task`` (which must be an extraction task), decoding
+    under the task's answer schema unless ``constrained`` is False."""
     from ..run.extract import Extractor
     from ..spec.task import ExtractTask, load_any_task
 
     spec = load_any_task(task)
     if not isinstance(spec, ExtractTask):
         raise typer.BadParameter(f"task {spec.name!r} is a classification task; run it with `prefixcache classify`", param_hint="--task")
-    return Extractor(load(model, dtype, threads), spec, pool=pool, max_new_tokens=max_new_tokens)
+    return Extractor(load(model, dtype, threads), spec, pool=pool, max_new_tokens=max_new_tokens, constrained=constrained)
 
 
 def make_pool(cache_budget: Optional[str], cache_dir: Optional[Path], kv_storage: str, eviction: str,

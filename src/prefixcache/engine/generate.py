@@ -15,7 +15,12 @@ A row finishes on an end-of-sequence token (not part of its text), when its
 decoded text contains a stop string (the text is cut before it), or after
 ``max_new_tokens`` tokens.
 
-This module knows nothing about tasks, JSON or records: only token ids and text.
+Under a ``constraint`` (:mod:`prefixcache.engine.constraint`: a JSON Schema), each step's logits are masked
+to the tokens the row's grammar allows before the token is picked (greedy or sampled; recorded log-probs
+are then those of the masked distribution), and a row also finishes when its grammar is complete (``stop``;
+``length`` when the budget closed it early). Without one, nothing here changes.
+
+This module knows nothing about tasks or records: only token ids, text and (through the constraint) schemas.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
+from .constraint import ConstrainedRows, JsonConstraint
 from .rows import forward_rows, pad_rows
 from .sampling import GREEDY, Sampling, TokenLogprob, TokenPicker
 from ..cache.kv import PrefixKV
@@ -92,10 +98,13 @@ def eos_ids_of(model: torch.nn.Module, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def finish_of(tokenizer, token_ids: Sequence[int], config: GenerationConfig) -> tuple[str, Finish | None]:
+def finish_of(
+    tokenizer, token_ids: Sequence[int], config: GenerationConfig, grammar: Finish | None = None
+) -> tuple[str, Finish | None]:
     """The text of a row's generated tokens so far and whether it is finished (``None``: not yet).
 
-    ``token_ids`` is everything generated; an end-of-sequence token can only be the last one.
+    ``token_ids`` is everything generated; an end-of-sequence token can only be the last one. ``grammar``:
+    the row's constraint is complete (``"stop"``), or complete because its token budget closed it (``"length"``).
     """
     ended = bool(token_ids) and token_ids[-1] in config.eos_ids
     body = token_ids[:-1] if ended else token_ids
@@ -103,6 +112,8 @@ def finish_of(tokenizer, token_ids: Sequence[int], config: GenerationConfig) -> 
     cuts = [i for i in (text.find(s) for s in config.stop) if i >= 0]
     if cuts:
         return text[: min(cuts)], "stop"
+    if grammar == "length" or (grammar is not None and not ended):
+        return text, grammar
     if ended:
         return text, "eos"
     if len(token_ids) >= config.max_new_tokens:
@@ -110,9 +121,11 @@ def finish_of(tokenizer, token_ids: Sequence[int], config: GenerationConfig) -> 
     return text, None
 
 
-def _logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden ``[B, H]`` -> next-token logits ``[B, V]`` through the model's output head."""
-    return model.get_output_embeddings()(hidden)
+def _logits(model: torch.nn.Module, hidden: torch.Tensor, rules: ConstrainedRows | None, live: list[int]) -> torch.Tensor:
+    """hidden ``[b, H]`` -> next-token logits ``[b, V]`` through the model's output head, masked by ``rules``
+    (for input rows ``live``) when there are rules."""
+    logits = model.get_output_embeddings()(hidden)
+    return logits if rules is None else rules.mask_(logits, live)
 
 
 @torch.inference_mode()
@@ -124,18 +137,23 @@ def generate_rows(
     config: GenerationConfig,
     sampling: Sampling = GREEDY,
     on_token: Callable[[int, int], None] | None = None,
+    constraint: JsonConstraint | None = None,
 ) -> tuple[list[Generation], GenerationTiming]:
-    """Decode a continuation of ``prefix + row`` for every row (greedy unless ``sampling`` says otherwise).
-    Results are in ``rows`` order.
+    """Decode a continuation of ``prefix + row`` for every row (greedy unless ``sampling`` says otherwise),
+    under ``constraint`` when given. Results are in ``rows`` order.
 
     ``on_token(row, token_id)`` is called for every generated token as soon as it is chosen (on the
     calling thread), so a caller can stream. The prefix is only read (each call uses its own fork),
     so concurrent calls are safe.
+
+    Raises:
+        ConstraintError: ``constraint`` cannot be applied with this tokenizer.
     """
     started = time.perf_counter()
     device = prefix.keys[0].device
     batch = len(rows)
     picker = TokenPicker(sampling, batch, device)
+    rules = None if constraint is None else ConstrainedRows(constraint, tokenizer, batch, config.eos_ids, config.max_new_tokens)
     ids, mask, lengths = pad_rows(rows, device)  # [B, S], [B, S], [B]
     cache = prefix.fork(batch)
     past = torch.ones(batch, prefix.length, dtype=torch.bool, device=device)  # [B, P]
@@ -143,7 +161,7 @@ def generate_rows(
     hidden = forward_rows(model, cache, ids, mask, start, past)  # [B, S, H]
     last = hidden[torch.arange(batch, device=device), lengths - 1]  # [B, H]
     live = list(range(batch))  # cache row -> input row
-    next_ids, logprobs = picker.pick(_logits(model, last), live)  # [B]
+    next_ids, logprobs = picker.pick(_logits(model, last, rules, live), live)  # [B]
     first_token_s = time.perf_counter() - started
 
     attention = torch.cat([past, mask], dim=1)  # [B, P + S]: what each row's next token may see
@@ -152,7 +170,7 @@ def generate_rows(
     steps = 1
     while True:
         keep = [slot for slot, row in enumerate(live) if not rows_out[row].add(
-            next_ids[slot].item(), logprobs[slot] if logprobs else None, tokenizer, config, on_token, row)]
+            next_ids[slot].item(), logprobs[slot] if logprobs else None, tokenizer, config, on_token, row, rules)]
         if not keep:
             break
         if len(keep) < len(live):
@@ -162,7 +180,7 @@ def generate_rows(
             live = [live[k] for k in keep]
         step_mask = torch.ones(len(live), 1, dtype=torch.bool, device=device)  # [b, 1]
         hidden = forward_rows(model, cache, next_ids[:, None], step_mask, positions, attention)  # [b, 1, H]
-        next_ids, logprobs = picker.pick(_logits(model, hidden[:, -1]), live)  # [b]
+        next_ids, logprobs = picker.pick(_logits(model, hidden[:, -1], rules, live), live)  # [b]
         attention = torch.cat([attention, step_mask], dim=1)
         positions = positions + 1
         steps += 1
@@ -180,14 +198,16 @@ class _RowOutput:
         self.logprobs: list[TokenLogprob] = []
         self.generation: Generation | None = None
 
-    def add(self, token: int, logprob: TokenLogprob | None, tokenizer, config: GenerationConfig, on_token, row: int) -> bool:
-        """Append ``token``; True when the row has finished with it."""
+    def add(self, token: int, logprob: TokenLogprob | None, tokenizer, config: GenerationConfig, on_token, row: int,
+            rules: ConstrainedRows | None) -> bool:
+        """Append ``token`` (and advance the row's grammar by it); True when the row has finished with it."""
         self.token_ids.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
         if on_token is not None:
             on_token(row, token)
-        text, finish = finish_of(tokenizer, self.token_ids, config)
+        grammar = None if rules is None else rules.accept(row, token)
+        text, finish = finish_of(tokenizer, self.token_ids, config, grammar)
         if finish is not None:
             self.generation = Generation(tuple(self.token_ids), text, finish, tuple(self.logprobs))
         return finish is not None

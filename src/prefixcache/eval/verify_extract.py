@@ -1,6 +1,7 @@
 """Extraction agreement: cached output must be the uncached output, token for token.
 
-:func:`verify_extract` runs ``full`` (uncached) and a cached mode over the same records and
+:func:`verify_extract` runs ``full`` (uncached) and a cached mode over the same records with the same
+extractor, so both decode under its answer schema (or both freely, ``constrained=False``), and
 :func:`compare_extractions` compares them record by record. This module does not print.
 """
 

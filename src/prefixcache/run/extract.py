@@ -4,9 +4,11 @@ An :class:`Extractor` is a :class:`~prefixcache.run.loop.BoundTask` over an extr
 (:mod:`prefixcache.spec.extract_prompt`); it runs the same record loop as the classifier per window
 of records (prepare, plan, run, report; see :mod:`prefixcache.run.loop`):
 
-* run: one :func:`~prefixcache.engine.generate.generate_rows` call per batch;
-* report: parse each output as JSON (:func:`~prefixcache.spec.answer.parse_fields`); Extractions are
-  yielded in input order.
+* run: one :func:`~prefixcache.engine.generate.generate_rows` call per batch, constrained by default to the
+  task's answer schema (:func:`~prefixcache.spec.answer.answer_schema`: an object of exactly the declared
+  fields, strings or null), so every output parses; ``constrained=False`` decodes freely (to compare);
+* report: parse each output as JSON (:func:`~prefixcache.spec.answer.parse_fields`, kept as the check);
+  Extractions are yielded in input order.
 
 Modes are the classifier's (:class:`~prefixcache.types.Mode`): ``full`` generates
 from the whole prompt (the uncached baseline), ``cached`` one record at a time
@@ -25,9 +27,10 @@ from typing import Callable, Iterable, Iterator
 
 from ..cache.kv import PrefixKV
 from ..cache.pool import PrefixPool
+from ..engine.constraint import grammar_tokenizer, json_constraint
 from ..engine.generate import Generation, GenerationConfig, eos_ids_of, generate_rows
 from ..model.load import LoadedModel
-from ..spec.answer import parse_fields
+from ..spec.answer import answer_schema, parse_fields
 from ..spec.extract_prompt import build_extract_prompt
 from ..spec.task import ExtractTask
 from ..types import Record, RunConfig, WindowStats
@@ -69,21 +72,27 @@ class Extractor(BoundTask):
 
     Thread safety: the stored prefix is read-only and every batch uses its own fork.
     With a ``pool`` the prefix is looked up once per :meth:`extract` call (the task's ``pin`` is honoured).
+    ``constrained`` (the default): decode under the task's answer schema (``constraint``; None when False).
 
     Raises (on construction):
         PromptError: the task cannot be rendered for this tokenizer.
+        ConstraintError: ``constrained`` and the tokenizer cannot be constrained (it is not a fast tokenizer).
     """
 
     stats_type = ExtractStats
 
     def __init__(
-        self, loaded: LoadedModel, task: ExtractTask, pool: PrefixPool | None = None, max_new_tokens: int | None = None
+        self, loaded: LoadedModel, task: ExtractTask, pool: PrefixPool | None = None, max_new_tokens: int | None = None,
+        constrained: bool = True,
     ):
         self.prompt = build_extract_prompt(task, loaded.tokenizer)
         super().__init__(loaded, task, pool)
         self.generation = GenerationConfig(
             max_new_tokens or task.max_new_tokens, tuple(task.stop), eos_ids_of(loaded.model, loaded.tokenizer)
         )
+        self.constraint = json_constraint(answer_schema(task)) if constrained else None
+        if constrained:  # fails here rather than in the first batch, and pays the one-time build now
+            grammar_tokenizer(loaded.tokenizer, self.generation.eos_ids)
 
     def extract(
         self,
@@ -100,7 +109,9 @@ class Extractor(BoundTask):
 
     def _forward(self, prefix: PrefixKV, batch: list[WorkItem], stats: ExtractStats) -> list[Generation]:
         rows = [it.rows for it in batch]
-        generations, timing = generate_rows(self.loaded.model, self.loaded.tokenizer, prefix, rows, self.generation)
+        generations, timing = generate_rows(
+            self.loaded.model, self.loaded.tokenizer, prefix, rows, self.generation, constraint=self.constraint
+        )
         stats.forward_passes += timing.steps
         stats.prefill_tokens += sum(len(it.rows) for it in batch)
         stats.tokens_generated += timing.tokens

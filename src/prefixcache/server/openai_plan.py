@@ -2,8 +2,10 @@
 
 :func:`plan` renders and tokenizes the prompt with the prep thread's tokenizer, checks it against the
 model's context and the server's limits (a 400 naming the field), and picks the runner: guided choice
-when the request names choices, else generation with its decoding settings. The response builders turn
-a runner's result into OpenAI's shapes. Nothing here runs the model.
+when the request names choices, else generation with its decoding settings and, for a ``response_format``
+of ``json_object`` or ``json_schema``, its schema compiled as a decoding constraint (an invalid schema is a
+400 naming ``response_format``). The response builders turn a runner's result into OpenAI's shapes.
+Nothing here runs the model.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from ..engine.constraint import ANY_OBJECT, JsonConstraint, json_constraint
 from ..engine.generate import GenerationConfig, eos_ids_of
 from ..engine.sampling import Sampling, TokenLogprob
-from ..errors import RequestFieldError
+from ..errors import ConstraintError, RequestFieldError
 from ..spec.chat import WholePrompt, chat_prompt, choices_after, text_prompt
 from ..spec.context import context_limit
 from .openai_runners import OpenAIRunners, PromptItem
@@ -55,25 +58,39 @@ def plan(runners: OpenAIRunners, settings: ServerSettings, tokenizer, request: C
         field = "prompt"
     _check_prompt(prompt, field, settings)
     choices = request.choices()
+    constraint = response_constraint(request)
     if choices is not None:
         param, options = choices
+        if constraint is not None:
+            raise RequestFieldError(f"send {param} or a JSON response_format, not both", param="response_format")
         runner = runners.choice(prompt, choices_after(tokenizer, prompt, options, param))
         return Plan(runner, PromptItem(prompt), True, ())
     config = GenerationConfig(
         max_new_tokens=_token_limit(request, prompt, runners), stop=request.stops(),
         eos_ids=eos_ids_of(runners.loaded.model, tokenizer),
     )
-    return Plan(runners.generate(prompt, config, _sampling(request)), PromptItem(prompt), False, config.stop)
+    runner = runners.generate(prompt, config, _sampling(request), constraint)
+    return Plan(runner, PromptItem(prompt), False, config.stop)
+
+
+def response_constraint(request: ChatCompletionRequest | CompletionRequest) -> JsonConstraint | None:
+    """The decoding constraint ``response_format`` asks for (None: free text). Compiled schemas are cached.
+
+    Raises:
+        RequestFieldError: naming ``response_format``: the schema is invalid, unsatisfiable or unsupported.
+    """
+    form = request.response_format if isinstance(request, ChatCompletionRequest) else None
+    if form is None or form.type == "text":
+        return None
+    schema = ANY_OBJECT if form.type == "json_object" else form.json_schema.schema_
+    try:
+        return json_constraint(schema)
+    except ConstraintError as exc:
+        raise RequestFieldError(f"response_format: {exc}", param="response_format") from None
 
 
 def _refuse_unsupported(request: ChatCompletionRequest | CompletionRequest) -> None:
     if isinstance(request, ChatCompletionRequest):
-        kind = (request.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise RequestFieldError(
-                f"response_format of type {kind!r} is not supported by this server yet; use guided_choice, "
-                "or an extraction task (POST /v1/extract)", param="response_format",
-            )
         if request.top_logprobs is not None and not request.logprobs:
             raise RequestFieldError("top_logprobs needs logprobs: true", param="top_logprobs")
     wants_logprobs = bool(request.logprobs) or (isinstance(request, CompletionRequest) and request.logprobs is not None)

@@ -8,7 +8,7 @@ byte budget and eviction policy. The row fed after it is the rest of the prompt,
 full re-encoding's (invariant 1) whatever the pool held.
 
 Runners are keyed (:class:`OpenAIRunners`): requests with the same reusable part and the same choices
-(or the same decoding settings) get the same runner object, and the micro-batcher merges the queued
+(or the same decoding settings and response schema) get the same runner object, and the micro-batcher merges the queued
 items of one runner into one pass. So concurrent requests sharing a system prompt and few-shot turns
 are scored together, over one stored prefix.
 
@@ -25,6 +25,7 @@ from typing import Callable, ClassVar, Sequence
 from ..cache.kv import PrefixKV
 from ..cache.pool import PrefixPool
 from ..engine.forward import score_rows
+from ..engine.constraint import JsonConstraint
 from ..engine.generate import GenerationConfig, generate_rows
 from ..engine.rows import empty_prefix
 from ..engine.sampling import Sampling
@@ -111,15 +112,17 @@ class ChoiceRunner(_ReusingRunner):
 
 
 class GenerateRunner(_ReusingRunner):
-    """Free generation: every item decoded with one :func:`generate_rows` call (greedy or sampled)."""
+    """Generation: every item decoded with one :func:`generate_rows` call (greedy or sampled), under
+    ``constraint`` (a response schema) when there is one."""
 
     kind: ClassVar[str] = "generate"
 
     def __init__(self, loaded: LoadedModel, pool: PrefixPool, prefix_ids: tuple[int, ...], config: GenerationConfig,
-                 sampling: Sampling):
+                 sampling: Sampling, constraint: JsonConstraint | None = None):
         super().__init__(loaded, pool, prefix_ids)
         self.config = config
         self.sampling = sampling
+        self.constraint = constraint
 
     def run(self, items: Sequence[PromptItem]) -> list[dict]:
         prefix, cached = self._prefix(items)
@@ -129,7 +132,8 @@ class GenerateRunner(_ReusingRunner):
                 items[row].on_token(token)
 
         generations, _ = generate_rows(
-            self.loaded.model, self.loaded.tokenizer, prefix, self._rows(prefix, items), self.config, self.sampling, on_token
+            self.loaded.model, self.loaded.tokenizer, prefix, self._rows(prefix, items), self.config, self.sampling, on_token,
+            self.constraint,
         )
         return [
             {
@@ -160,9 +164,11 @@ class OpenAIRunners:
         key = ("choice", prompt.ids[: prompt.reusable], tuple(choices.label_ids.items()))
         return self._get(key, lambda: ChoiceRunner(self.loaded, self.pool, key[1], choices, self.method))
 
-    def generate(self, prompt: WholePrompt, config: GenerationConfig, sampling: Sampling) -> GenerateRunner:
-        key = ("generate", prompt.ids[: prompt.reusable], config, sampling)
-        return self._get(key, lambda: GenerateRunner(self.loaded, self.pool, key[1], config, sampling))
+    def generate(self, prompt: WholePrompt, config: GenerationConfig, sampling: Sampling,
+                 constraint: JsonConstraint | None = None) -> GenerateRunner:
+        """The runner of these decoding settings; requests with different schemas never share one."""
+        key = ("generate", prompt.ids[: prompt.reusable], config, sampling, constraint)
+        return self._get(key, lambda: GenerateRunner(self.loaded, self.pool, key[1], config, sampling, constraint))
 
     def _get(self, key: tuple, build: Callable[[], _ReusingRunner]):
         with self._lock:

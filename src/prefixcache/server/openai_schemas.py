@@ -4,6 +4,7 @@ Requests forbid unknown fields: a field this server does not support is a 400 na
 silently ignored (:func:`parse_request`). Fields OpenAI defines but this server cannot honour are
 accepted only at their neutral value (``n: 1``, penalties 0, ``echo: false``). vLLM's guided decoding
 arrives as extra body fields: ``guided_choice`` and the newer ``structured_outputs: {"choice": [...]}``.
+``response_format`` is OpenAI's: ``text``, ``json_object``, or ``json_schema`` with ``{name, schema, strict}``.
 
 Responses follow OpenAI's shapes, plus two fields vLLM-style servers add: ``choice_logprobs`` (each
 choice's log-prob under guided choice) and ``usage.prompt_tokens_details.cached_tokens``.
@@ -15,7 +16,7 @@ import json
 import math
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..errors import RequestFieldError
 
@@ -50,6 +51,28 @@ class StructuredOutputs(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``. ``strict`` is accepted either way: the schema is always enforced."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only with it")
+        return self
 
 
 class _Common(_Strict):
@@ -89,7 +112,7 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: dict | None = None
+    response_format: ResponseFormat | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,6 +1,8 @@
-"""The extraction answer format: how an example's answer is written, and how a generated answer is read back.
+"""The extraction answer format: how an example's answer is written, its JSON Schema, and how a generated
+answer is read back.
 
-An answer is one JSON object with the task's declared fields, in declared order. This module knows
+An answer is one JSON object with the task's declared fields, in declared order, each a string or null
+(:func:`answer_schema` says so as a JSON Schema, which constrained decoding follows). This module knows
 nothing about models or tokens: only the declared field names and text.
 """
 
@@ -16,6 +18,17 @@ from .task import ExtractTask
 def answer_json(task: ExtractTask, values: Mapping[str, object]) -> str:
     """The JSON an example answers with: the declared fields in declared order."""
     return json.dumps({name: values.get(name) for name in task.fields}, ensure_ascii=False)
+
+
+def answer_schema(task: ExtractTask) -> dict:
+    """The JSON Schema of an answer: an object with exactly the declared fields, in declared order, each a
+    string or null. Every output decoded under it parses (:func:`parse_fields`) with every field present."""
+    return {
+        "type": "object",
+        "properties": {name: {"type": ["string", "null"]} for name in task.fields},
+        "required": list(task.fields),
+        "additionalProperties": False,
+    }
 
 
 @dataclass(frozen=True)
