@@ -8,6 +8,10 @@ between its last real token and its generated tokens stays masked out, so a
 row computes exactly what it would compute alone. Rows that finish are dropped
 from the fork (``batch_select_indices``), so later steps only run live rows.
 
+After every step it calls :func:`~prefixcache.engine.steps.step_boundary`, where a scheduler may run
+short passes of other work on this thread (the server's batcher does, so classification is not stuck
+behind a long extraction); the decoding state is untouched by them.
+
 Full re-encoding is the same call with an empty prefix and whole prompts as
 rows: the cached and uncached paths share every line of decoding.
 
@@ -32,6 +36,8 @@ from typing import Callable, Literal, Sequence
 import torch
 
 from .constraint import ConstrainedRows, JsonConstraint
+from .detokenize import IncrementalText
+from .steps import step_boundary
 from .rows import forward_rows, pad_rows
 from .sampling import GREEDY, Sampling, TokenLogprob, TokenPicker
 from ..cache.kv import PrefixKV
@@ -166,13 +172,14 @@ def generate_rows(
 
     attention = torch.cat([past, mask], dim=1)  # [B, P + S]: what each row's next token may see
     positions = lengths + prefix.length  # [B]: RoPE index of each row's next token
-    rows_out = [_RowOutput() for _ in rows]
+    rows_out = [_RowOutput(tokenizer) for _ in rows]
     steps = 1
     while True:
         keep = [slot for slot, row in enumerate(live) if not rows_out[row].add(
             next_ids[slot].item(), logprobs[slot] if logprobs else None, tokenizer, config, on_token, row, rules)]
         if not keep:
             break
+        step_boundary()  # a scheduler may run short passes here (engine/steps.py), leaving this pass as it is
         if len(keep) < len(live):
             index = torch.tensor(keep, device=device)
             cache.batch_select_indices(index)
@@ -186,16 +193,21 @@ def generate_rows(
         steps += 1
     results = [out.generation for out in rows_out]
     tokens = sum(len(g.token_ids) for g in results)
-    timing = GenerationTiming(first_token_s, time.perf_counter() - started, steps, tokens)
-    return results, timing
+    return results, GenerationTiming(first_token_s, time.perf_counter() - started, steps, tokens)
 
 
 class _RowOutput:
-    """One row's tokens so far; ``generation`` is set once the row has finished."""
+    """One row's tokens so far; ``generation`` is set once the row has finished.
 
-    def __init__(self):
+    The stop strings are looked for in the text the new token completes (:class:`IncrementalText`), so a
+    step costs the same at the 500th token as at the first; the whole output is decoded once, when the row
+    finishes (:func:`finish_of` then says how, exactly as before).
+    """
+
+    def __init__(self, tokenizer):
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
+        self.text = IncrementalText(tokenizer)
         self.generation: Generation | None = None
 
     def add(self, token: int, logprob: TokenLogprob | None, tokenizer, config: GenerationConfig, on_token, row: int,
@@ -207,6 +219,10 @@ class _RowOutput:
         if on_token is not None:
             on_token(row, token)
         grammar = None if rules is None else rules.accept(row, token)
+        ended = token in config.eos_ids
+        stopped = not ended and self.text.ends_with_any(config.stop, self.text.add(token))
+        if not (ended or stopped or grammar is not None or len(self.token_ids) >= config.max_new_tokens):
+            return False
         text, finish = finish_of(tokenizer, self.token_ids, config, grammar)
         if finish is not None:
             self.generation = Generation(tuple(self.token_ids), text, finish, tuple(self.logprobs))

@@ -15,7 +15,10 @@ One loop per model (an asyncio task) repeatedly:
    next pass), so one client's 256-item requests do not hold another client's
    one item back until they have all run;
 4. runs them on the model thread (``runner.run``), the one thread that touches
-   the model, so the event loop never blocks on torch;
+   the model, so the event loop never blocks on torch. Between two steps of a
+   decoding pass (``runner.decodes``: extraction, generation; see
+   :mod:`prefixcache.engine.steps`) it runs one pass of queued short work at
+   once, so a classification is not stuck behind a long extraction;
 5. routes each result back to its request by (request, position): a request's
    future resolves when its last item is done, with results in its own order.
 
@@ -46,13 +49,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import deque
 from concurrent.futures import Executor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Hashable, Iterator, Sequence
 
+from .batch_queue import Job, RunnerQueue
 from .prometheus import Metrics
+from ..engine.steps import between_steps
 from ..errors import QueueFullError, ShuttingDownError
 from ..run.loop import WorkItem
 from .runners import TaskRunner
@@ -60,71 +63,7 @@ from .settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(eq=False)
-class _Job:
-    """One request's items and the future its handler awaits."""
-
-    items: Sequence[WorkItem]
-    future: asyncio.Future
-    enqueued_at: float
-    results: list = field(init=False)
-    remaining: int = field(init=False)
-
-    def __post_init__(self):
-        self.results = [None] * len(self.items)
-        self.remaining = len(self.items)
-
-
-@dataclass(eq=False)
-class _Queue:
-    """Items waiting for one runner: per client, (job, position in the job) slots in arrival order.
-
-    ``lanes`` is in turn order: :meth:`take` serves the first lane's oldest slot, then moves
-    that lane to the back, so clients take turns item by item, and the turn carries over
-    from one pass to the next. A client's lane exists only while it holds slots.
-    """
-
-    runner: TaskRunner
-    lanes: dict[Hashable, deque[tuple[_Job, int]]] = field(default_factory=dict)
-    size: int = 0
-    last_arrival: float = 0.0
-
-    def add(self, job: _Job, client: Hashable) -> None:
-        self.lanes.setdefault(client, deque()).extend((job, position) for position in range(len(job.items)))
-        self.size += len(job.items)
-        self.last_arrival = job.enqueued_at
-
-    def head_time(self) -> float:
-        """When the oldest slot still queued arrived."""
-        return min(lane[0][0].enqueued_at for lane in self.lanes.values())
-
-    def newest_time(self) -> float:
-        """When the newest slot arrived."""
-        return self.last_arrival
-
-    def slots(self) -> Iterator[tuple[_Job, int]]:
-        """Every queued slot (in no particular order)."""
-        for lane in self.lanes.values():
-            yield from lane
-
-    def take(self, limit: int) -> tuple[list[tuple[_Job, int]], int]:
-        """Up to ``limit`` live slots, one per client in turn, and how many slots left the queue
-        (cancelled ones are dropped and do not use up their client's turn)."""
-        taken, removed = [], 0
-        while self.lanes and len(taken) < limit:
-            client = next(iter(self.lanes))
-            lane = self.lanes.pop(client)
-            while lane:
-                job, position = lane.popleft()
-                removed += 1
-                if not job.future.done():  # done early: its client went away or another pass failed
-                    taken.append((job, position))
-                    break
-            if lane:
-                self.lanes[client] = lane  # to the back: the next client's turn
-        self.size -= removed
-        return taken, removed
+_HANDOFF_S = 5.0  # the longest the model thread waits for the loop to hand it a short pass between steps
 
 
 class MicroBatcher:
@@ -144,13 +83,15 @@ class MicroBatcher:
         self._max_queue = settings.max_queue
         self._client_share = settings.client_share
         self._metrics = metrics
-        self._queues: dict[TaskRunner, _Queue] = {}
+        self._queues: dict[TaskRunner, RunnerQueue] = {}
         self._depth = 0  # queued, not yet in a pass
         self._admitted = 0  # admitted and not yet answered (preparing, queued or in a pass)
         self._admitted_by: dict[Hashable, int] = {}  # the same, per named client (absent: none)
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._free_since = 0.0  # loop time the model thread last became free
+        self._short_queued = 0  # queued items of non-decoding runners (read by the model thread between steps)
+        self._side: list[tuple[Job, int]] | None = None  # a short pass running between decoding steps
 
     @property
     def depth(self) -> int:
@@ -179,8 +120,10 @@ class MicroBatcher:
             self._loop_task = None
         for queue in self._queues.values():
             _fail(queue.slots(), ShuttingDownError("the server is shutting down; retry elsewhere"))
+        _fail(self._side or (), ShuttingDownError("the server is shutting down; retry elsewhere"))
         self._queues.clear()
         self._set_depth(0)
+        self._short_queued = 0
 
     @contextmanager
     def admit(self, count: int, client: Hashable | None = None) -> Iterator[None]:
@@ -231,12 +174,13 @@ class MicroBatcher:
         if self._loop_task is None:
             raise ShuttingDownError("the server is not running")
         loop = asyncio.get_running_loop()
-        job = _Job(items, loop.create_future(), loop.time())
+        job = Job(items, loop.create_future(), loop.time())
         queue = self._queues.get(runner)
         if queue is None:
-            queue = self._queues[runner] = _Queue(runner)
+            queue = self._queues[runner] = RunnerQueue(runner)
         queue.add(job, client)
         self._set_depth(self._depth + len(items))
+        self._short_queued += 0 if _decodes(runner) else len(items)
         self._wake.set()
         return await job.future
 
@@ -246,21 +190,27 @@ class MicroBatcher:
         while True:
             queue = await self._oldest_queue()
             await self._fill(queue)
-            batch, removed = queue.take(self._max_batch)
-            self._set_depth(self._depth - removed)
-            if not queue.size:
-                del self._queues[queue.runner]
+            batch = self._take(queue)
             if batch:
                 await self._execute(queue.runner, batch)
 
-    async def _oldest_queue(self) -> _Queue:
+    def _take(self, queue: RunnerQueue) -> list[tuple[Job, int]]:
+        """Up to ``max_batch`` live slots from ``queue``, with the counts kept (on the loop's thread)."""
+        batch, removed = queue.take(self._max_batch)
+        self._set_depth(self._depth - removed)
+        self._short_queued -= 0 if _decodes(queue.runner) else removed
+        if not queue.size:
+            del self._queues[queue.runner]
+        return batch
+
+    async def _oldest_queue(self) -> RunnerQueue:
         """The queue whose head item has waited longest (waits until there is one)."""
         while not self._queues:
             self._wake.clear()
             await self._wake.wait()
-        return min(self._queues.values(), key=_Queue.head_time)
+        return min(self._queues.values(), key=RunnerQueue.head_time)
 
-    async def _fill(self, queue: _Queue) -> None:
+    async def _fill(self, queue: RunnerQueue) -> None:
         """Wait until ``queue`` holds a full batch, its head item's wait (counted from when the
         model could first take it) is over, or items have stopped arriving for the arrival gap."""
         loop = asyncio.get_running_loop()
@@ -276,28 +226,82 @@ class MicroBatcher:
             except TimeoutError:
                 return
 
-    async def _execute(self, runner: TaskRunner, batch: list[tuple[_Job, int]]) -> None:
+    async def _execute(self, runner: TaskRunner, batch: list[tuple[Job, int]]) -> None:
         """Run one pass on the model thread and route its results (or its exception) back."""
         loop = asyncio.get_running_loop()
-        started = loop.time()
-        for job, _ in batch:
-            self._metrics.queue_wait_seconds.observe(started - job.enqueued_at)
+        started = self._start(batch)
         items = [job.items[position] for job, position in batch]
         try:
-            results = await loop.run_in_executor(self._executor, runner.run, items)
-            if len(results) != len(items):
-                raise RuntimeError(f"runner {runner.kind!r} returned {len(results)} results for {len(items)} items")
+            results = await loop.run_in_executor(self._executor, self._run_pass, runner, items, loop)
         except asyncio.CancelledError:  # stop() during the pass
             _fail(batch, ShuttingDownError("the server is shutting down; retry elsewhere"))
             raise
-        except Exception as exc:  # routed to every request in the pass, which answers 500
-            log.exception("forward pass of %d items for task %r failed", len(items), runner.task.name)
-            _fail(batch, exc)
+        except Exception as exc:
+            self._route(runner, batch, None, exc, started)
             return
         finally:
             self._free_since = loop.time()
+        self._route(runner, batch, results, None, started)
+
+    def _run_pass(self, runner: TaskRunner, items: list, loop: asyncio.AbstractEventLoop) -> list[dict]:
+        """On the model thread: ``runner.run(items)``; a decoding runner lets short passes in between its steps."""
+        if not _decodes(runner):
+            return runner.run(items)
+        with between_steps(lambda: self._interleave(loop)):
+            return runner.run(items)
+
+    def _interleave(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the model thread, between two decoding steps: run one pass of the oldest queued short work."""
+        if self._short_queued <= 0:  # a plain read: the loop's thread writes it; a stale value costs one step
+            return
+        try:
+            taken = asyncio.run_coroutine_threadsafe(self._take_short(), loop).result(timeout=_HANDOFF_S)
+        except Exception:  # the loop is stopping or busier than the hand-off allows: decode on, try next step
+            return
+        if taken is None:
+            return
+        runner, batch, started = taken
+        items = [job.items[position] for job, position in batch]
+        try:
+            results, error = runner.run(items), None
+        except Exception as exc:  # routed to the short pass's own requests; the decoding pass goes on
+            results, error = None, exc
+        try:
+            loop.call_soon_threadsafe(self._route, runner, batch, results, error, started)
+        except RuntimeError:  # the loop has closed: stop() already failed this batch (self._side)
+            pass
+
+    async def _take_short(self) -> tuple[TaskRunner, list[tuple[Job, int]], float] | None:
+        """On the loop's thread: a batch of the oldest non-decoding queue, taken at once (no fill wait)."""
+        short = [queue for queue in self._queues.values() if not _decodes(queue.runner) and queue.size]
+        if not short:
+            return None
+        queue = min(short, key=RunnerQueue.head_time)
+        batch = self._take(queue)
+        self._side = batch  # stop() fails it if the server stops while it runs
+        return (queue.runner, batch, self._start(batch)) if batch else None
+
+    def _start(self, batch: list[tuple[Job, int]]) -> float:
+        """The loop time a pass over ``batch`` starts; records how long each of its items waited."""
+        started = asyncio.get_running_loop().time()
+        for job, _ in batch:
+            self._metrics.queue_wait_seconds.observe(started - job.enqueued_at)
+        return started
+
+    def _route(self, runner: TaskRunner, batch: list[tuple[Job, int]], results: list | None,
+               error: BaseException | None, started: float) -> None:
+        """On the loop's thread: hand each result of a finished pass to its request (or its error to all of them)."""
+        self._side = None if batch is self._side else self._side
+        if error is None and len(results) != len(batch):
+            error = RuntimeError(f"runner {runner.kind!r} returned {len(results)} results for {len(batch)} items")
+        if error is not None:  # routed to every request in the pass, which answers 500
+            log.error("forward pass of %d items for task %r failed", len(batch), runner.task.name, exc_info=error)
+            _fail(batch, error)
+            return
+        items = [job.items[position] for job, position in batch]
         hits = sum(1 for item in items if not item.full)
-        self._metrics.record_batch(runner.task.name, runner.kind, len(items), hits, loop.time() - started)
+        seconds = asyncio.get_running_loop().time() - started
+        self._metrics.record_batch(runner.task.name, runner.kind, len(items), hits, seconds)
         for (job, position), result in zip(batch, results):
             job.results[position] = result
             job.remaining -= 1
@@ -314,6 +318,11 @@ class MicroBatcher:
         if rate <= 0:
             return 1
         return max(1, min(60, math.ceil(over / rate) + 1))
+
+
+def _decodes(runner: TaskRunner) -> bool:
+    """Whether ``runner``'s passes decode step by step (and so may let short passes in between)."""
+    return bool(getattr(runner, "decodes", False))
 
 
 def _report_crash(task: asyncio.Task) -> None:

@@ -20,6 +20,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from ..engine.detokenize import IncrementalText
 from ..errors import PrefixCacheError, UnknownModelError
 from ..spec.context import context_limit
 from .openai_plan import Plan, chat_response, completion_response, plan, response_id, usage_of
@@ -150,15 +151,14 @@ class _StreamText:
     """The text of the tokens so far, handed out in pieces that can no longer change."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
-        self.tokenizer = tokenizer
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be forming there
-        self.token_ids: list[int] = []
+        self.decoded = IncrementalText(tokenizer)  # O(new text) per token, not a decode of everything so far
         self.sent = ""
 
     def add(self, token: int) -> str:
-        self.token_ids.append(token)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+        self.decoded.add(token)
+        text = self.decoded.text
         cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         safe = text[: min(cuts)] if cuts else text[: len(text) - self.hold]
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):

@@ -116,6 +116,7 @@ class GenerateRunner(_ReusingRunner):
     ``constraint`` (a response schema) when there is one."""
 
     kind: ClassVar[str] = "generate"
+    decodes: ClassVar[bool] = True  # a pass decodes step by step: the batcher lets short passes in between
 
     def __init__(self, loaded: LoadedModel, pool: PrefixPool, prefix_ids: tuple[int, ...], config: GenerationConfig,
                  sampling: Sampling, constraint: JsonConstraint | None = None):

@@ -54,6 +54,8 @@ class TaskRunner(Protocol):
     """
 
     kind: ClassVar[str]
+    decodes: ClassVar[bool]
+    """True when a pass decodes step by step (long): the batcher runs short passes between its steps."""
     task: Task | ExtractTask
     prefix_key: PrefixKey
     """The prefix's identity in the pool (what a DELETE unpins)."""
@@ -88,6 +90,7 @@ class _BoundRunner:
     """
 
     kind: ClassVar[str]
+    decodes: ClassVar[bool] = False
 
     def __init__(self, loaded: LoadedModel, task: Task | ExtractTask, bound: BoundTask, prefix_limit: int | None):
         self.task = task
@@ -150,6 +153,7 @@ class ExtractRunner(_BoundRunner):
     a pass is one :func:`~prefixcache.engine.generate.generate_rows` call (greedy, the whole batch at once)."""
 
     kind: ClassVar[str] = "extract"
+    decodes: ClassVar[bool] = True  # a pass decodes step by step: the batcher lets short passes in between
 
     def __init__(
         self, loaded: LoadedModel, task: ExtractTask, settings: ServerSettings, prefix_limit: int | None = None,
