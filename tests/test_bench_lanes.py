@@ -11,7 +11,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from prefixcache.bench.lanes import Lane, matmul_peak_gflops, near_tie_ids, nonembedding_params, run_lanes
+from prefixcache.bench.lanes import Lane, near_tie_ids, nonembedding_params, run_lanes
+from prefixcache.bench.roofline import decode_floor, matmul_peak_gflops, shape_peak, weight_bytes
 from prefixcache.cli.app import app
 from prefixcache.run.classify import Prediction, Record, RunStats
 from prefixcache.engine.scoring import LabelScores
@@ -19,8 +20,14 @@ from prefixcache.eval.verify import compare
 
 from conftest import tiny_loaded, save_tiny_model
 
-MODE_KEYS = {"mode", "ms_per_item", "items_per_s", "speedup_vs_full", "label_agreement", "max_abs_logprob_diff", "pct_of_peak"}
-TOP_KEYS = {"dtype", "threads", "peak_gflops", "prefix_tokens", "mean_suffix_tokens", "modes"}
+MODE_KEYS = {"mode", "ms_per_item", "items_per_s", "speedup_vs_full", "label_agreement", "max_abs_logprob_diff", "pct_of_peak",
+             "pct_of_shape_peak"}
+TOP_KEYS = {"dtype", "threads", "peak_gflops", "prefix_tokens", "mean_suffix_tokens", "modes", "shape_peaks_gflops",
+            "shape_peak_gflops", "shape_peak_rows", "shape_peak_projections"}
+# one decoder layer of conftest's tiny models (hidden 64, 4 heads of 16, 2 KV heads, MLP 128): (name, N, K)
+TINY_PROJECTIONS = [("self_attn.q_proj", 64, 64), ("self_attn.k_proj", 32, 64), ("self_attn.v_proj", 32, 64),
+                    ("self_attn.o_proj", 64, 64), ("mlp.gate_proj", 128, 64), ("mlp.up_proj", 128, 64),
+                    ("mlp.down_proj", 64, 128)]
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +63,14 @@ def test_bench_runs_on_tiny_model_and_json_has_every_key(model_dir, tmp_path):
         assert lane["disagreements_outside_ties"] == 0, f"{lane['mode']} ({lane['dtype']}) flips a label that is not a near tie"
     assert document["peak_gflops"] > 0
     assert document["mean_suffix_tokens"] > 0
+    assert document["shape_peak_gflops"] > 0 and document["shape_peaks_gflops"]["float32"] > 0
+    rows = round(4 * document["mean_suffix_tokens"])  # --batch-size 4 x mean suffix tokens: one batched pass
+    assert document["shape_peak_rows"] == rows
+    timed = [(p["name"], p["m"], p["n"], p["k"]) for p in document["shape_peak_projections"]["float32"]]
+    assert timed == [(name, rows, n, k) for name, n, k in TINY_PROJECTIONS]
+    for lane in float32_lanes.values():
+        assert lane["pct_of_shape_peak"] > 0 and lane["pct_of_peak"] > 0
+    assert "%shape" in result.output and "%peak" in result.output
     assert plot.stat().st_size > 10_000, "the plot should be a real PNG"
     assert "llama.cpp" in result.output  # either a lane or its one-line skip message
 
@@ -92,6 +107,10 @@ def test_run_lanes_ratios_and_near_ties():
     assert tie.near_ties == 4 and tie.disagreements_outside_ties == 0
     assert tie.gflop == pytest.approx(10.0) and full.gflop == pytest.approx(100.0)
     assert tie.pct_of_peak is not None and tie.pct_of_peak > 0
+    assert tie.pct_of_shape_peak is None, "no shape peak given"
+    shaped = run_lanes([lane("full", (-0.1, -2.0), 100)], records, {"float32": 1e9}, shape_peaks={"float32": 5e8})
+    assert shaped.shape_peaks == {"float32": 5e8}
+    assert shaped.results[0].pct_of_shape_peak == pytest.approx(2 * shaped.results[0].pct_of_peak)
 
 
 def test_near_ties_scale_with_the_lanes_measured_drift():
@@ -125,3 +144,31 @@ def test_nonembedding_params_excludes_tied_embedding():
 
 def test_matmul_peak_is_positive():
     assert matmul_peak_gflops(torch.float32, sizes=(128,), seconds=0.05) > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_shape_peak_times_the_layers_own_projections(arch):
+    model = tiny_loaded(arch).model
+    layer = model.model.layers[0]
+    linears = [(name, *m.weight.shape) for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert [(name, n, k) for name, n, k in linears] == TINY_PROJECTIONS
+    peak = shape_peak(model, rows=37, dtype=torch.float32, seconds=0.05)
+    assert [(p.name, p.m, p.n, p.k) for p in peak.projections] == [(name, 37, n, k) for name, n, k in linears]
+    assert peak.rows == 37 and peak.dtype == "float32"
+    assert all(p.seconds > 0 for p in peak.projections) and peak.gflops > 0
+    total_flops = sum(2 * 37 * n * k for _, n, k in linears)
+    assert peak.gflops == pytest.approx(total_flops / sum(p.seconds for p in peak.projections) / 1e9)
+    with pytest.raises(ValueError):
+        shape_peak(model, rows=0, dtype=torch.float32)
+
+
+def test_weight_bytes_counts_a_tied_tensor_once_and_the_floor_divides_by_it():
+    model = tiny_loaded("qwen2", dtype=torch.bfloat16).model
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    every = sum(p.numel() * p.element_size() for _, p in model.named_parameters(remove_duplicate=False))
+    embedding = model.get_input_embeddings().weight
+    assert weight_bytes(model) == every - embedding.numel() * 2 == sum(p.numel() * 2 for p in model.parameters())
+    floor = decode_floor(model)
+    assert floor.weight_bytes == weight_bytes(model) and floor.memory_read_gb_s > 0
+    assert floor.tokens_per_s == pytest.approx(floor.memory_read_gb_s * 1e9 / floor.weight_bytes)
+    assert floor.pct(floor.tokens_per_s / 2) == pytest.approx(50.0)

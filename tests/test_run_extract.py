@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from prefixcache.bench.extract_lanes import run_extract_bench
 from prefixcache.bench.options import BenchOptions
+from prefixcache.bench.roofline import weight_bytes
 from prefixcache.cli.app import app
 from prefixcache.errors import TaskError
 from prefixcache.eval.verify_extract import compare_extractions, verify_extract
@@ -27,7 +28,7 @@ from prefixcache.cache.pool import PrefixPool
 from prefixcache.run.classify import Classifier, Record, RunConfig, records_from_texts
 from prefixcache.spec.task import ExtractTask, bundled_task_names, load_any_task, load_task, parse_task
 
-from conftest import EXTRACT_YAML, TEXTS, save_tiny_model
+from conftest import EXTRACT_YAML, TEXTS, save_tiny_model, tiny_loaded
 
 
 MAX_NEW = 10
@@ -255,3 +256,12 @@ def test_bench_extract_reports_ttft_and_tokens_per_s(model_dir, files, tmp_path)
     assert document["constrained_over_unconstrained"] > 0
     assert any("time to first token" in line for line in lines)
     assert {"model", "items", "prefix_tokens", "threads"} <= set(document)
+    assert document["memory_read_gb_s"] > 0
+    assert document["weight_bytes"] == weight_bytes(tiny_loaded("qwen2").model)  # float32, the tied head once
+    assert document["decode_floor_tokens_per_s"] == pytest.approx(
+        document["memory_read_gb_s"] * 1e9 / document["weight_bytes"]
+    )
+    for lane in document["extract"]:
+        assert lane["pct_of_floor"] == pytest.approx(100 * lane["tokens_per_s"] / document["decode_floor_tokens_per_s"])
+        assert lane["pct_of_floor"] > 0 or lane["tokens_per_s"] == 0
+    assert any("decoding floor" in line for line in lines)

@@ -5,13 +5,20 @@ classification benchmark's :class:`~prefixcache.bench.lanes.ModeResult`, so one 
 The ``full``, ``cached`` and ``batched`` lanes decode under the task's answer schema (as ``extract`` does);
 a last lane, ``batched-unconstrained``, decodes the same batches freely, to show what the constraint costs
 and how many outputs it changes or rescues.
+
+The decoding floor (:func:`~prefixcache.bench.roofline.decode_floor`): the memory read bandwidth measured in
+the same run over the model's weight bytes, the most tokens/s a batch-size-1 greedy decoder can generate (each
+step reads every weight once). Every lane's tokens/s is reported as a share of it (``pct_of_floor``), but only
+the B=1 lanes (``full`` and ``cached``) are comparable to it: a batched lane reads the weights once for B rows
+and may pass it. A lane's tokens/s counts its whole time, prefill included, so its share understates the
+decode steps alone.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 from ..eval.verify_extract import compare_extractions
@@ -19,6 +26,7 @@ from ..run.extract import ExtractStats, Extractor
 from ..types import Mode, Record, RunConfig
 from .lanes import BenchReport, ModeResult, dtype_name
 from .options import BenchOptions
+from .roofline import DecodeFloor, decode_floor
 
 UNCONSTRAINED = "batched-unconstrained"  # the lane that decodes without the answer schema
 
@@ -40,6 +48,7 @@ class ExtractLaneResult:
     identical: float
     parse_errors: int
     constrained: bool = True
+    pct_of_floor: float | None = None  # tokens_per_s as a percentage of the B=1 decoding floor (meaningful at B=1)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -95,8 +104,11 @@ def run_extract_bench(options: BenchOptions, log: Callable[[str], None] = print)
         loaded = load_model(options.model, options.dtype, threads)
     extractor = Extractor(loaded, task)
     log(f"model {loaded.identity}, {threads} threads, dtype {dtype_name(loaded.dtype)}, extract task {task.name}")
+    floor = decode_floor(loaded.model, loaded.device)
+    log_floor(floor, log)
     records = ticket_records(options.items)
     lanes = bench_extract(extractor, records, options.batch_size, log, free=Extractor(loaded, task, constrained=False))
+    lanes = [replace(lane, pct_of_floor=floor.pct(lane.tokens_per_s)) for lane in lanes]
     full_seconds = lanes[0].seconds
     for lane in lanes:
         log(
@@ -104,6 +116,7 @@ def run_extract_bench(options: BenchOptions, log: Callable[[str], None] = print)
             f"{lane.ttft_ms_p50:.1f}), {lane.tokens_per_s:.1f} tokens/s, {1000 * lane.seconds / lane.records:.1f} "
             f"ms/record, {lane.parse_errors} unparsable, {lane.identical:.0%} identical to "
             + ("constrained batched" if lane.mode == UNCONSTRAINED else "uncached")
+            + (f", {lane.pct_of_floor:.0f}% of the B=1 decoding floor" if lane.pct_of_floor is not None else "")
         )
     rows = [
         ModeResult(
@@ -119,5 +132,14 @@ def run_extract_bench(options: BenchOptions, log: Callable[[str], None] = print)
         "prefix_seconds": extractor.prefix_seconds, "modes": [r.to_json() for r in rows],
         "extract": [lane.to_json() for lane in lanes],
         "constrained_over_unconstrained": lanes[2].seconds / lanes[3].seconds if lanes[3].seconds else None,
+        **floor.to_json(),
     }
     return BenchReport(rows, {}), document
+
+
+def log_floor(floor: DecodeFloor, log: Callable[[str], None]) -> None:
+    """One line: the measured bandwidth, the weight bytes and the B=1 decoding floor they give."""
+    log(
+        f"decoding floor (B=1): memory read {floor.memory_read_gb_s:.1f} GB/s / weights {floor.weight_bytes / 1e6:.1f} MB"
+        f" = {floor.tokens_per_s:.1f} tokens/s"
+    )

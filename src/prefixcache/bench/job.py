@@ -16,10 +16,11 @@ from ..run.classify import Classifier
 from ..spec.task import ExtractTask, load_any_task, load_task
 from .extract_lanes import run_extract_bench
 from .head_lanes import FIT, bench_head, gold_labels, head_document, head_lanes, without_head
-from .lanes import BenchReport, Lane, classifier_lane, dtype_name, matmul_peak_gflops, run_lanes, same_dtype_copy, sweep_prefix
+from .lanes import BenchReport, Lane, classifier_lane, dtype_name, run_lanes, same_dtype_copy, sweep_prefix
 from .options import BenchOptions
 from .label_lanes import run_label_bench
 from .peers import llama_cpp_lane
+from .roofline import ShapePeak, matmul_peak_gflops, shape_peak
 from .workload import file_records, ticket_records
 
 
@@ -102,18 +103,25 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> tupl
     if Classifier(base, without_head(task)).method == "full":
         return run_many_labels(options, base, task, records, log)
     lanes, meta = build_lanes(options, records, log, loaded)
-    dtypes = sorted({lane.dtype for lane in lanes if lane.dtype in ("float32", "bfloat16", "float16")})
-    peaks = {d: matmul_peak_gflops(getattr(torch, d), base.device) for d in dtypes}
-    log("matmul peak: " + ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in peaks.items()))
-    report = run_lanes(lanes, records, peaks, on_lane=lambda name: log(f"running {name} on {len(records)} items ..."))
     tokenizer = base.tokenizer
     suffix_tokens = [len(tokenizer(str(r.fields["text"]), add_special_tokens=False)["input_ids"]) for r in records]
+    mean_suffix = sum(suffix_tokens) / len(suffix_tokens)
+    rows = max(1, round(options.batch_size * mean_suffix))  # M of one batched pass, for the shape peak
+    dtypes = sorted({lane.dtype for lane in lanes if lane.dtype in ("float32", "bfloat16", "float16")})
+    peaks, shapes = measure_peaks(base, dtypes, rows, log)
+    shape_peaks = {d: s.gflops for d, s in shapes.items()}
+    on_lane = lambda name: log(f"running {name} on {len(records)} items ...")  # noqa: E731
+    report = run_lanes(lanes, records, peaks, on_lane, shape_peaks)
     document = {
         **meta,
         "items": len(records),
         "peak_gflops": peaks.get(meta["dtype"]),
         "peaks_gflops": peaks,
-        "mean_suffix_tokens": sum(suffix_tokens) / len(suffix_tokens),
+        "shape_peak_gflops": shape_peaks.get(meta["dtype"]),
+        "shape_peaks_gflops": shape_peaks,
+        "shape_peak_rows": rows,
+        "shape_peak_projections": {d: [p.to_json() for p in s.projections] for d, s in shapes.items()},
+        "mean_suffix_tokens": mean_suffix,
         "modes": [r.to_json() for r in report.results],
     }
     if options.sweep_targets:
@@ -128,6 +136,19 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> tupl
         )
         document["sweep"] = [asdict(p) | {"speedup": p.speedup} for p in points]
     return report, document
+
+
+def measure_peaks(
+    base: LoadedModel, dtypes: list[str], rows: int, log: Callable[[str], None]
+) -> tuple[dict[str, float], dict[str, ShapePeak]]:
+    """At each dtype name in ``dtypes``: the square-matmul peak (GFLOP/s) and the peak of one decoder layer's
+    projections of ``base`` at ``rows`` rows (M = batch size x mean suffix tokens: one batched pass)."""
+    peaks = {d: matmul_peak_gflops(getattr(torch, d), base.device) for d in dtypes}
+    shapes = {d: shape_peak(base.model, rows, getattr(torch, d), base.device) for d in dtypes}
+    log("matmul peak: " + ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in peaks.items()))
+    log(f"matmul peak at the model's projection shapes, M = {rows} rows: "
+        + ", ".join(f"{d} {s.gflops:.0f} GFLOP/s" for d, s in shapes.items()))
+    return peaks, shapes
 
 
 def bench_records(options: BenchOptions) -> list:

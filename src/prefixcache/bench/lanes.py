@@ -6,10 +6,11 @@ on the same records; the first lane (``full``) is the reference for speed-up,
 and for label agreement and log-prob drift unless a lane names another reference
 (a head lane is compared with ``full`` re-encoding through the same fitted head).
 
-The roofline: the machine's matmul peak is measured in the same run at each
-lane's dtype and thread count, and each lane's achieved FLOP/s is reported as
-a percentage of it. FLOPs = 2 x non-embedding parameters x tokens computed,
-plus the output-head work actually done (label rows only for first-token).
+The roofline (:mod:`.roofline`): the machine's square-matmul peak and the peak of the
+model's own projection shapes at a batched pass's rows are measured in the same run at
+each lane's dtype and thread count, and each lane's achieved FLOP/s is reported as a
+percentage of both. FLOPs = 2 x non-embedding parameters x tokens computed, plus the
+output-head work actually done (label rows only for first-token).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..model.load import LoadedModel
 from ..run.classify import Classifier, warmup
 from ..types import Mode, Prediction, Record, RunConfig, RunStats
 from .memory import PeakRSS
+from .roofline import matmul_peak_gflops  # noqa: F401  (re-exported: scripts/loadtest.py imports it from here)
 from .workload import example_pool, grow_task
 
 
@@ -49,6 +51,7 @@ class ModeResult:
     reference: str = "full"  # the lane whose labels and log-probs agreement and drift are measured against
     peak_rss_bytes: int = 0  # the process's highest resident memory while the lane ran
     added_rss_bytes: int = 0  # that peak less the resident memory when the lane started
+    pct_of_shape_peak: float | None = None  # achieved FLOP/s against the model's own projection shapes' peak
 
     @property
     def ms_per_item(self) -> float:
@@ -135,36 +138,15 @@ def head_gflop(classifier: Classifier) -> float:
     return (2 * nonembedding_params(classifier.loaded.model) * fed + 2 * hidden * vocab * (1 + fed)) / 1e9
 
 
-def matmul_peak_gflops(
-    dtype: torch.dtype, device: torch.device | str = "cpu", seconds: float = 0.6, sizes: Sequence[int] | None = None
-) -> float:
-    """Best sustained GFLOP/s of square matmuls at ``dtype`` on ``device`` (CPU: the current thread count).
-
-    Default sizes are 1024 and 2048 on a CPU, 4096 and 8192 on a GPU (smaller ones leave a GPU idle).
-    GPU work is asynchronous, so each timing ends with a synchronize.
-    """
-    device = torch.device(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    best = 0.0
-    for n in sizes or ((4096, 8192) if device.type == "cuda" else (1024, 2048)):
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        a @ b  # warm-up
-        sync()
-        count, started = 0, time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            a @ b
-            count += 1
-            sync()
-        best = max(best, 2 * n**3 * count / (time.perf_counter() - started) / 1e9)
-    return best
-
-
 @dataclass
 class BenchReport:
+    """The lanes' rows; ``peaks`` and ``shape_peaks``: GFLOP/s by dtype name (square matmuls; the model's
+    projection shapes at a batched pass's rows), empty where not measured."""
+
     results: list[ModeResult]
     peaks: dict[str, float]
     predictions: dict[str, list[Prediction]] = field(default_factory=dict)
+    shape_peaks: dict[str, float] = field(default_factory=dict)
 
 
 def run_lanes(
@@ -172,8 +154,13 @@ def run_lanes(
     records: list[Record],
     peaks: dict[str, float] | None = None,
     on_lane: Callable[[str], None] | None = None,
+    shape_peaks: dict[str, float] | None = None,
 ) -> BenchReport:
     """Run every lane on ``records``; the first is the reference (for agreement: the lane's own ``reference``).
+
+    ``peaks`` and ``shape_peaks`` (GFLOP/s by dtype name) give each lane's ``pct_of_peak`` and
+    ``pct_of_shape_peak`` (None for a dtype without one, or a lane without a FLOP count). The shape peak is
+    measured at a batched pass's rows, so it is the ceiling of the batched lanes; B=1 lanes run fewer rows.
 
     Near ties scale with each lane's own numerical noise: with ``d`` the lane's max
     |Δ log-prob| against the reference, a record is a near tie when the reference's
@@ -181,7 +168,7 @@ def run_lanes(
     them). A disagreement outside the near ties cannot be noise, so the figure
     ``disagreements_outside_ties`` is expected to be 0.
     """
-    peaks = dict(peaks or {})
+    peaks, shape_peaks = dict(peaks or {}), dict(shape_peaks or {})
     results, outputs, first_of = [], {}, {}
     ref_seconds = 0.0
     for lane in lanes:
@@ -202,29 +189,24 @@ def run_lanes(
         agreement = compare(reference, predictions)
         ties = near_tie_ids(reference, 2 * agreement.max_abs_logprob_diff)
         gflop = lane.gflop_per_token * stats.tokens_computed + lane.head_gflop_per_record * len(records)
-        peak = peaks.get(lane.dtype)
         outputs[lane.name] = predictions
         results.append(
             ModeResult(
-                lane.name,
-                lane.dtype,
-                lane.batch_size,
-                len(records),
-                seconds,
+                lane.name, lane.dtype, lane.batch_size, len(records), seconds,
                 ref_seconds / seconds if seconds else float("inf"),
-                agreement.rate,
-                agreement.max_abs_logprob_diff,
-                stats.tokens_computed,
-                gflop,
-                100 * gflop / seconds / peak if peak and gflop else None,
-                len(ties),
-                len(set(agreement.disagreeing_ids) - ties),
-                reference_name,
-                memory.bytes,
-                memory.bytes - memory.start_bytes,
+                agreement.rate, agreement.max_abs_logprob_diff, stats.tokens_computed,
+                gflop, percent_of(gflop, seconds, peaks.get(lane.dtype)),
+                len(ties), len(set(agreement.disagreeing_ids) - ties), reference_name,
+                memory.bytes, memory.bytes - memory.start_bytes,
+                percent_of(gflop, seconds, shape_peaks.get(lane.dtype)),
             )
         )
-    return BenchReport(results, peaks, outputs)
+    return BenchReport(results, peaks, outputs, shape_peaks)
+
+
+def percent_of(gflop: float, seconds: float, peak_gflops: float | None) -> float | None:
+    """Achieved GFLOP/s as a percentage of ``peak_gflops`` (None without a peak, FLOPs or time)."""
+    return 100 * gflop / seconds / peak_gflops if peak_gflops and gflop and seconds else None
 
 
 def near_tie_ids(reference: Sequence[Prediction], noise: float) -> set:

@@ -15,9 +15,12 @@ from .boundary import err, out
 
 def timing_table(results: list, title: str) -> Table:
     """One row per :class:`~prefixcache.bench.lanes.ModeResult`: time, ratios against ``full``, agreement with
-    the lane's reference (``full``; a caption names any other, such as ``full+head`` for the head lanes)."""
+    the lane's reference (``full``; a caption names any other, such as ``full+head`` for the head lanes).
+    ``%peak``: achieved FLOP/s against square matmuls; ``%shape``: against the model's own projection shapes at
+    a batched pass's rows (:mod:`prefixcache.bench.roofline`)."""
     table = Table(title=title, caption=reference_caption(results))
-    for col in ("mode", "dtype", "B", "items", "s", "ms/item", "items/s", "x full", "agree", "max|Δlp|", "ties", "%peak", "peak RSS"):
+    columns = ("mode", "dtype", "B", "items", "s", "ms/item", "items/s", "x full", "agree", "max|Δlp|", "ties")
+    for col in (*columns, "%peak", "%shape", "peak RSS"):
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(
@@ -33,6 +36,7 @@ def timing_table(results: list, title: str) -> Table:
             f"{r.max_abs_logprob_diff:.1e}",
             f"{r.near_ties}" + (f" ({r.disagreements_outside_ties} not)" if r.disagreements_outside_ties else ""),
             f"{r.pct_of_peak:.0f}%" if r.pct_of_peak is not None else "-",
+            f"{r.pct_of_shape_peak:.0f}%" if r.pct_of_shape_peak is not None else "-",
             format_bytes(r.peak_rss_bytes) if r.peak_rss_bytes else "-",
         )
     return table
