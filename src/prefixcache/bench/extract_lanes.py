@@ -68,7 +68,7 @@ def bench_extract(
     results, outputs_of = [], {}
     for name, each, mode in lanes:
         size = mode.pass_size(batch_size)
-        log(f"running extract [{name}] on {len(records)} records ...")
+        log(f"running extract lane {name} on {len(records)} records ...")
         stats = ExtractStats()
         started = time.perf_counter()
         outputs = outputs_of[name] = each.extract_all(records, RunConfig(mode, size), stats=stats)
@@ -112,7 +112,7 @@ def run_extract_bench(options: BenchOptions, log: Callable[[str], None] = print)
     full_seconds = lanes[0].seconds
     for lane in lanes:
         log(
-            f"extract [{lane.mode}] B={lane.batch_size}: time to first token {lane.ttft_ms_mean:.1f} ms (median "
+            f"extract lane {lane.mode}, B={lane.batch_size}: time to first token {lane.ttft_ms_mean:.1f} ms (median "
             f"{lane.ttft_ms_p50:.1f}), {lane.tokens_per_s:.1f} tokens/s, {1000 * lane.seconds / lane.records:.1f} "
             f"ms/record, {lane.parse_errors} unparsable, {lane.identical:.0%} identical to "
             + ("constrained batched" if lane.mode == UNCONSTRAINED else "uncached")

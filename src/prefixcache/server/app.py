@@ -17,6 +17,7 @@ gets 403 there; start-up tasks can be replaced or deleted only with the admin ke
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import os
@@ -152,6 +153,8 @@ def _item_routes(app: FastAPI, service: Service) -> None:
 
 def _task_routes(app: FastAPI, service: Service) -> None:
     """Listing, uploading and deleting tasks."""
+    upload_gate = asyncio.Semaphore(1)  # one upload parses at a time (see put_task)
+
     @app.get("/v1/tasks", response_model=TaskList, tags=["tasks"])
     async def list_tasks() -> TaskList:
         return TaskList(tasks=[TaskInfo(**runner.describe()) for runner in service.tasks()])
@@ -189,9 +192,11 @@ def _task_routes(app: FastAPI, service: Service) -> None:
         service.check_writable(name, operator)  # before the body is parsed: a start-up task is refused whatever it holds
         service.check_room(name)  # and a new task when max_tasks are registered
         body = await request.body()
-        # parsed on a worker thread: a large or pathological task file must not hold up the event loop
+        # parsed on a worker thread, one upload at a time: parsing holds the GIL, and many parses at once would starve
+        # the event loop and the model thread of it (a large or pathological task file must not hold anyone up)
         content_type = request.headers.get("content-type", "")
-        task = await run_in_threadpool(parse_upload, name, content_type, body, service.settings, tuple(RUNNER_KINDS))
+        async with upload_gate:
+            task = await run_in_threadpool(parse_upload, name, content_type, body, service.settings, tuple(RUNNER_KINDS))
         runner, created = await service.register(task, operator=operator)
         response.status_code = 201 if created else 200
         return TaskInfo(**runner.describe())

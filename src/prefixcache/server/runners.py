@@ -42,6 +42,8 @@ from ..engine.head_file import describe_head
 from ..run.classify import Classifier
 from ..types import Record, RunConfig
 from ..spec.context import context_limit
+from ..spec.extract_prompt import build_extract_prompt
+from ..spec.prompt import build_prompt
 from ..spec.task import ExtractTask, Task
 from .settings import ServerSettings
 
@@ -225,6 +227,22 @@ REUSED = "_prefix_tokens_reused"
 def reused_prefix_tokens(results: Sequence[dict]) -> int:
     """Stored-prefix tokens the items of ``results`` did not recompute; takes :data:`REUSED` out of each result."""
     return sum(result.pop(REUSED, 0) for result in results)
+
+
+def check_prefix_size(task: Task | ExtractTask, tokenizer, limit: int | None) -> int:
+    """Render and tokenize ``task``'s prompt with ``tokenizer`` (any thread: no model runs) and check its prefix
+    against ``limit``, so an oversized upload is refused before it costs the model thread anything.
+
+    Returns the prefix's length in tokens.
+
+    Raises:
+        TaskUploadError: the prefix is longer than ``limit``.
+        PromptError: the task cannot be rendered for this tokenizer.
+    """
+    build = build_extract_prompt if isinstance(task, ExtractTask) else build_prompt
+    length = len(build(task, tokenizer).prefix_ids)
+    _check_prefix_limit(task.name, length, limit)
+    return length
 
 
 def _check_prefix_limit(name: str, length: int, limit: int | None) -> None:

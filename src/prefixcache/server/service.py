@@ -50,7 +50,7 @@ from ..spec.task import ExtractTask, Task
 from .batcher import MicroBatcher
 from .prometheus import Metrics
 from .openai_runners import OpenAIRunners
-from .runners import TaskRunner, build_runner, reused_prefix_tokens
+from .runners import TaskRunner, build_runner, check_prefix_size, reused_prefix_tokens
 from .settings import ADMIN_KEY_ENV, ServerSettings
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class Service:
         self._runners: dict[str, TaskRunner] = {}
         self._startup: set[str] = set()  # the registered tasks that are start-up tasks (not replaced since)
         self.openai = OpenAIRunners(loaded, self.pool, settings.method)  # the OpenAI-compatible routes' runners
+        self._builds = asyncio.Lock()  # one prefix build at a time on the model thread (passes run between builds)
 
     async def start(self, tasks: Sequence[Task | ExtractTask]) -> None:
         for task in tasks:
@@ -130,6 +131,9 @@ class Service:
     ) -> tuple[TaskRunner, bool]:
         """Build ``task``'s runner (and prefix) on the model thread, then swap it in.
 
+        An uploaded task is first rendered and sized on a prep thread (:func:`check_prefix_size`), and builds
+        take turns (one at a time), so uploads never queue several builds ahead of the passes of other tasks.
+
         An ``uploaded`` task's prefix may not exceed ``settings.max_prefix_tokens`` and may not be
         pinned (a pinned prefix is never evicted, so uploads could fill the pool and starve every
         other task); the operator's start-up tasks have neither limit.
@@ -151,10 +155,13 @@ class Service:
             )
         loop = asyncio.get_running_loop()
         limit = self.settings.max_prefix_tokens if uploaded else None
+        if uploaded:  # sized on a prep thread: an oversized prefix never reaches the model thread
+            await self.on_prep_thread(lambda tokenizer: check_prefix_size(task, tokenizer, limit))
         try:
-            runner = await loop.run_in_executor(
-                self._model_thread, build_runner, self.loaded, task, self.settings, limit, self.pool
-            )
+            async with self._builds:  # queued builds wait here, not in the model thread's queue ahead of passes
+                runner = await loop.run_in_executor(
+                    self._model_thread, build_runner, self.loaded, task, self.settings, limit, self.pool
+                )
         except PoolBudgetError as exc:
             if not uploaded:
                 raise
