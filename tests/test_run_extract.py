@@ -140,6 +140,20 @@ def test_every_record_gets_a_result_and_errors_name_the_record(tiny_llama, extra
     assert set(results[0].to_json()) == {"id", "fields", "raw", "error"}
 
 
+@pytest.mark.parametrize("mode", ["full", "cached", "batched"])
+def test_a_record_past_the_context_is_an_error_naming_it_and_the_others_run(tiny_llama, extract_task, mode):
+    """Before, a record far past the context went into the pass and asked for tens of GB (the bad-input corpus's
+    'huge' row took the whole job down); now it is refused before it runs, like the server's 422."""
+    extractor = Extractor(tiny_llama, extract_task)
+    long_text = " ".join(["refund my card"] * 400)  # well past the tiny model's 512 positions
+    records = [Record("a", {"text": "refund"}), Record("huge", {"text": long_text}), Record("b", {"text": "crash"})]
+    results = extractor.extract_all(records, RunConfig(mode, 8))
+    assert [r.id for r in results] == ["a", "huge", "b"]
+    assert results[1].raw is None and "'huge'" in results[1].error and "max_new_tokens" in results[1].error
+    assert "512-token context" in results[1].error
+    assert results[0].raw is not None and results[2].raw is not None
+
+
 def test_verify_extract_and_pool_sharing(tiny_llama, extract_task, task):
     pool = PrefixPool()
     extractor = Extractor(tiny_llama, extract_task, pool=pool)
@@ -219,6 +233,29 @@ def test_cli_extract_writes_one_line_per_record(model_dir, files, tmp_path):
     assert all(set(r) == {"id", "fields", "raw", "error"} for r in rows)
     assert result.exit_code == (1 if any(r["error"] for r in rows) else 0), result.output
     assert "tokens/s" in result.stderr and "prefix pool:" in result.stderr
+
+
+def test_cli_extract_gives_a_bad_row_an_error_line_and_goes_on(model_dir, files, tmp_path):
+    """A row that is not UTF-8 or not JSON is an error line naming its line and field; the others are extracted
+    (before, the first bad row stopped the whole job with exit 2)."""
+    task_file, _ = files
+    data = tmp_path / "mixed.jsonl"
+    good = [json.dumps({"ticket": f"T{i}", "body": t}).encode() for i, t in enumerate(TEXTS[:3])]
+    data.write_bytes(b"\n".join([good[0], b'{"ticket": "bad", "body": "caf\xe9"}', good[1], b"{not json", good[2]]) + b"\n")
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(
+        app,
+        ["extract", str(data), "--task", task_file, "--model", model_dir, "--dtype", "float32", "--text-field", "body",
+         "--id-field", "ticket", "--out", str(out)],
+        catch_exceptions=False,
+    )
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert result.exit_code == 1, result.output
+    assert len(rows) == 5 and [r["id"] for r in rows if r["id"] is not None][:1] == ["T0"]
+    assert "mixed.jsonl:2:" in rows[1]["error"] and "'body'" in rows[1]["error"] and "UTF-8" in rows[1]["error"]
+    assert "mixed.jsonl:4:" in rows[3]["error"] and "JSON" in rows[3]["error"]
+    assert [r["id"] for r in (rows[0], rows[2], rows[4])] == ["T0", "T1", "T2"]
+    assert all(r["raw"] is not None for r in (rows[0], rows[2], rows[4])), "the good rows were extracted"
 
 
 def test_cli_verify_covers_extract_tasks(model_dir, files):

@@ -106,7 +106,8 @@ def test_extract_string_items_default_ids_and_item_errors(loaded, extract_task):
     with serving(loaded, [extract_task]) as server:
         status, _, body = call(server, "POST", "/v1/extract", {"task": EXTRACT, "items": items})
         missing = call(server, "POST", "/v1/extract", {"task": EXTRACT, "items": ["ok", {"id": "b", "body": "no text"}]})
-        too_long = call(server, "POST", "/v1/extract", {"task": EXTRACT, "items": ["ok", "word " * 600]})
+    with serving(loaded, [extract_task], max_item_tokens=20) as server:  # an item that fits the context, not the cap
+        too_long = call(server, "POST", "/v1/extract", {"task": EXTRACT, "items": ["ok", "word " * 60]})
     assert status == 200, body
     assert [r["id"] for r in body["results"]] == [0, "x7", 2]
     assert body["results"] == engine_results(loaded, extract_task, records)

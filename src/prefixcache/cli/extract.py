@@ -66,13 +66,15 @@ def extract(
 
 def extract_into(extractor, input: str, text_field: str, id_field: Optional[str], config: RunConfig,
                  out_path: Optional[Path]):
-    """Stream the records, extract them and write one JSON line each to ``out_path`` (or stdout); the stats."""
+    """Stream the records, extract them and write one JSON line each to ``out_path`` (or stdout); the stats.
+    A row that cannot be read (not UTF-8, not JSON, no usable id) gets an error line and the job goes on."""
     from ..io import records as data
     from ..io.jsonl import write_line
     from ..run.extract import ExtractStats
 
     total = data.count_rows(input)  # a cheap pass for the progress bar; the job itself streams
-    records = check_text_field(data.read_records(input, text_field, id_field), text_field)
+    # bad rows come through with their error (an error line naming the row and field), like classify's
+    records = check_text_field(data.scan_records(input, text_field, id_field), text_field)
     stats = ExtractStats()
     with (open_output(out_path, "w", "--out") if out_path else nullcontext(sys.stdout)) as sink:
         with progress(total, f"extract [{config.mode}]") as bar:

@@ -31,10 +31,11 @@ from ..engine.constraint import grammar_tokenizer, json_constraint
 from ..engine.generate import Generation, GenerationConfig, eos_ids_of, generate_rows
 from ..model.load import LoadedModel
 from ..spec.answer import answer_schema, parse_fields
+from ..spec.context import context_limit
 from ..spec.extract_prompt import build_extract_prompt
 from ..spec.task import ExtractTask
-from ..types import Record, RunConfig, WindowStats
-from .loop import BoundTask, WorkItem
+from ..types import Mode, Record, RunConfig, WindowStats
+from .loop import BoundTask, WorkItem, route
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,17 @@ class Extractor(BoundTask):
 
     def extract_all(self, records: Iterable[Record], config: RunConfig = RunConfig(), **kw) -> list[Extraction]:
         return list(self.extract(records, config, **kw))
+
+    def _route(self, index: int, record: Record, enc, config: RunConfig) -> WorkItem:
+        """An item, or an error naming the record when its prompt plus ``max_new_tokens`` would not fit the
+        model's context (it is never run: a prompt far past the context would ask for memory it cannot have)."""
+        limit = context_limit(self.loaded.model)
+        prompt, budget = len(enc.full_ids), self.generation.max_new_tokens
+        if limit is not None and prompt + budget > limit:
+            return WorkItem(index, record, overflowed=True, error=(
+                f"record {record.id!r}: its prompt takes {prompt} tokens, and with max_new_tokens={budget} that is "
+                f"more than the model's {limit}-token context; shorten its text"))
+        return route(index, record, enc, Mode(config.mode))
 
     def _forward(self, prefix: PrefixKV, batch: list[WorkItem], stats: ExtractStats) -> list[Generation]:
         rows = [it.rows for it in batch]
