@@ -276,12 +276,18 @@ def classify_sender(port: int, key: str, task: str):
 
     def send(items: list[dict]) -> tuple[int, bytes]:
         nonlocal conn
-        try:
-            return post(conn, json.dumps({"task": task, "items": items}).encode(), key)
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
-            conn = http.client.HTTPConnection(HOST, port, timeout=300)
-            return 0, f"{type(exc).__name__}: {exc}".encode()
+        body = json.dumps({"task": task, "items": items}).encode()
+        for attempt in (1, 2):
+            try:
+                return post(conn, body, key)
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                conn = http.client.HTTPConnection(HOST, port, timeout=300)
+                # a kept-alive connection the server closed while idle (uvicorn's keep-alive timeout) is retried
+                # once on a new one, as HTTP client libraries do; any other failure, or a second one, is an error
+                stale = isinstance(exc, (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected))
+                if attempt == 2 or not stale:
+                    return 0, f"{type(exc).__name__}: {exc}".encode()
 
     return send
 

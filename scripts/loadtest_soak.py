@@ -10,6 +10,7 @@ minute's, and the last minute's p99 within 1.5x of the first's.
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -40,7 +41,7 @@ def soak(args, server_factory, classify_sender, pool_figures) -> bool:
     minutes: list[dict] = []
     stop_at = time.monotonic() + args.duration
     lock = threading.Lock()
-    current = {"latencies": [], "errors": 0}
+    current = {"latencies": [], "errors": 0, "codes": collections.Counter()}
 
     def client(number: int) -> None:
         sends = {task: classify_sender(server.port, key, task) for task in _task_names(SOAK_TASKS)}
@@ -49,10 +50,12 @@ def soak(args, server_factory, classify_sender, pool_figures) -> bool:
         while time.monotonic() < stop_at:
             task = names[n % len(names)]
             started = time.perf_counter()
-            status, _ = sends[task]([{"id": f"c{number}-{n}", "text": texts[n % len(texts)]}])
+            status, body = sends[task]([{"id": f"c{number}-{n}", "text": texts[n % len(texts)]}])
             with lock:
                 current["latencies"].append(time.perf_counter() - started)
                 current["errors"] += status != 200
+                if status != 200:
+                    current["codes"][(status, body[:160])] += 1
             n += len(names) + 1
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
@@ -66,6 +69,10 @@ def soak(args, server_factory, classify_sender, pool_figures) -> bool:
                 window, current["latencies"], errors, current["errors"] = current["latencies"], [], current["errors"], 0
             minutes.append(_minute(len(minutes) + 1, window, errors, rss.memory_info().rss, pool_figures(server.port, key)))
             print(_row(minutes[-1]), flush=True)
+            with lock:
+                for (status, body), count in current["codes"].most_common(3):
+                    print(f"    {count} x {status}: {body!r}", flush=True)
+                current["codes"].clear()
     finally:
         server.stop()
     return _verdict(minutes, budget, args)

@@ -17,7 +17,6 @@ gets 403 there; start-up tasks can be replaced or deleted only with the admin ke
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import os
@@ -30,7 +29,6 @@ from typing import Sequence
 from fastapi import FastAPI, Path, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
-from starlette.concurrency import run_in_threadpool
 
 from ..errors import (
     InputError, ItemError, PoolBudgetError, PrefixCacheError, PromptError, QueueFullError, ReadOnlyTaskError,
@@ -50,7 +48,7 @@ from .schemas import (
 )
 from .service import Service
 from .settings import ServerSettings
-from .uploads import parse_upload
+from .uploads import UploadParser
 
 TASK_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 ERRORS = {code: {"model": ErrorOut} for code in (401, 404, 413, 422, 429)}  # 422: a message, or FastAPI's field list
@@ -67,6 +65,7 @@ def create_app(
     metrics = Metrics()
     service = Service(loaded, settings, metrics)
     service.check_startup(tasks)
+    uploads = UploadParser()  # task uploads are parsed in a child process, one at a time
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -74,6 +73,7 @@ def create_app(
         try:
             yield
         finally:
+            uploads.close()
             await service.stop()
 
     app = FastAPI(
@@ -85,7 +85,7 @@ def create_app(
     )
     app.state.service = service
     app.state.settings = settings
-    _routes(app, service)
+    _routes(app, service, uploads)
     app.add_exception_handler(PrefixCacheError, _error_response)
     app.add_exception_handler(RequestValidationError, _validation_response)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
@@ -95,11 +95,11 @@ def create_app(
     return app
 
 
-def _routes(app: FastAPI, service: Service) -> None:
+def _routes(app: FastAPI, service: Service, uploads: UploadParser) -> None:
     """Every route, in the order the OpenAPI document lists them: service, items, tasks."""
     _service_routes(app, service)
     _item_routes(app, service)
-    _task_routes(app, service)
+    _task_routes(app, service, uploads)
     add_openai_routes(app, service)
 
 
@@ -151,10 +151,8 @@ def _item_routes(app: FastAPI, service: Service) -> None:
         return ExtractResponse(results=results, usage=UsageOut(**asdict(usage)))
 
 
-def _task_routes(app: FastAPI, service: Service) -> None:
+def _task_routes(app: FastAPI, service: Service, uploads: UploadParser) -> None:
     """Listing, uploading and deleting tasks."""
-    upload_gate = asyncio.Semaphore(1)  # one upload parses at a time (see put_task)
-
     @app.get("/v1/tasks", response_model=TaskList, tags=["tasks"])
     async def list_tasks() -> TaskList:
         return TaskList(tasks=[TaskInfo(**runner.describe()) for runner in service.tasks()])
@@ -192,11 +190,10 @@ def _task_routes(app: FastAPI, service: Service) -> None:
         service.check_writable(name, operator)  # before the body is parsed: a start-up task is refused whatever it holds
         service.check_room(name)  # and a new task when max_tasks are registered
         body = await request.body()
-        # parsed on a worker thread, one upload at a time: parsing holds the GIL, and many parses at once would starve
-        # the event loop and the model thread of it (a large or pathological task file must not hold anyone up)
+        # parsed in a child process, one upload at a time: parsing holds the GIL, so a large or pathological task
+        # file parsed in this process would hold up the event loop and the model thread (see uploads.py)
         content_type = request.headers.get("content-type", "")
-        async with upload_gate:
-            task = await run_in_threadpool(parse_upload, name, content_type, body, service.settings, tuple(RUNNER_KINDS))
+        task = await uploads.parse(name, content_type, body, service.settings, RUNNER_KINDS)
         runner, created = await service.register(task, operator=operator)
         response.status_code = 201 if created else 200
         return TaskInfo(**runner.describe())

@@ -1,7 +1,10 @@
 """A task upload's body turned into a task, within the server's upload limits.
 
-:func:`parse_upload` runs on a worker thread (never the event loop). Its limits are checked as early as
-each can be, so a hostile body costs little:
+:func:`parse_upload` runs in a child process (:class:`UploadParser`), never in the server's own: parsing holds
+the GIL (libyaml composes a whole document in one C call, and the constructors are Python), so parses on a
+thread of the server starve its event loop and model thread (``scripts/hostile_uploads.py``: `/healthz` p99
+926 ms with 20 parses at once on threads). Uploads take turns in the one child. Its limits are checked as early
+as each can be, so a hostile body costs little:
 
 * ``max_task_bytes``: before anything is decoded or parsed (413);
 * ``max_labels`` (a classification task's labels, an extraction task's fields) and ``max_examples``
@@ -13,6 +16,9 @@ This module knows nothing about HTTP beyond the media types a task may be sent a
 
 from __future__ import annotations
 
+import asyncio
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from typing import Sequence
 
 from ..errors import TaskTooLargeError, TaskUploadError
@@ -69,3 +75,40 @@ def check_counts(name: str, data: dict, settings: ServerSettings) -> None:
                 f"task {name!r} has {count} {what}, more than {limit_name}={limit}; an uploaded task may have at "
                 f"most {limit} {what}"
             )
+
+
+class UploadParser:
+    """Parses uploads with :func:`parse_upload` in one child process (started with ``spawn``: a fresh interpreter
+    that imports the task parser only, never torch or the model), one upload at a time, at a lower CPU priority
+    than the server (``nice`` 10), so a stream of uploads takes CPU from the model only where it would idle.
+
+    What :func:`parse_upload` raises is raised by :meth:`parse` (exceptions cross the process boundary by pickling).
+    Call :meth:`close` when the server stops.
+    """
+
+    def __init__(self):
+        self._pool: ProcessPoolExecutor | None = None
+        self._turn = asyncio.Semaphore(1)  # queued uploads wait here, on the event loop, costing nothing
+
+    async def parse(
+        self, name: str, content_type: str, body: bytes, settings: ServerSettings, kinds: Sequence[str]
+    ) -> Task | ExtractTask:
+        """:func:`parse_upload` in the child process; see it for what it raises."""
+        async with self._turn:
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_yield_cpu)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._pool, parse_upload, name, content_type, body, settings, tuple(kinds))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+def _yield_cpu() -> None:
+    """In the parser's process: lower its CPU priority (where the OS has ``nice``)."""
+    import os
+
+    if hasattr(os, "nice"):
+        os.nice(10)
