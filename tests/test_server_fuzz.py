@@ -10,6 +10,7 @@ still answer a real request.
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 
 import pytest
@@ -25,7 +26,7 @@ from conftest import EXTRACT_YAML, TASK_YAML, tiny_loaded
 
 KEY = "fuzz-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-EXAMPLES = 25  # generated requests per operation
+EXAMPLES = int(os.environ.get("PREFIXCACHE_FUZZ_EXAMPLES", "25"))  # generated requests per operation (issue 19: 200)
 # A task upload is YAML text: its schema is "a string", so schemathesis takes any string for a valid task and
 # expects it accepted. Whether a text is a task only the parser can tell (and its 422 names the line and field).
 # Likewise, whether an OpenAI-style prompt fits the model's context, or a choice can follow the prompt as whole
