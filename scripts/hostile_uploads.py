@@ -112,21 +112,29 @@ def attack_process(port: int, admin_key: str, bodies: dict, threads: int, stop, 
     results.put({kind: dict(counter) for kind, counter in totals.items()})
 
 
+def timed_call(conn: http.client.HTTPConnection, method: str, path: str, label: str, samples: list[float],
+               failures: list[str], **request) -> http.client.HTTPConnection:
+    """One request on ``conn``: its latency into ``samples``, a non-200 or a failure into ``failures``. Returns
+    the connection to use next (a new one after a failure)."""
+    started = time.perf_counter()
+    try:
+        conn.request(method, path, **request)
+        response = conn.getresponse()
+        response.read()
+        samples.append(time.perf_counter() - started)
+        if response.status != 200:
+            failures.append(f"{label} {response.status}")
+        return conn
+    except (OSError, http.client.HTTPException) as exc:
+        failures.append(f"{label} {type(exc).__name__}")
+        return http.client.HTTPConnection(HOST, conn.port, timeout=conn.timeout)
+
+
 def poll_healthz(port: int, stop: threading.Event, gap: float, samples: list[float], failures: list[str]) -> None:
     """GET /healthz every ``gap`` seconds on one keep-alive connection until ``stop``; latencies into ``samples``."""
     conn = http.client.HTTPConnection(HOST, port, timeout=30)
     while not stop.is_set():
-        started = time.perf_counter()
-        try:
-            conn.request("GET", "/healthz")
-            response = conn.getresponse()
-            response.read()
-            samples.append(time.perf_counter() - started)
-            if response.status != 200:
-                failures.append(f"/healthz {response.status}")
-        except (OSError, http.client.HTTPException) as exc:
-            failures.append(f"/healthz {type(exc).__name__}")
-            conn = http.client.HTTPConnection(HOST, port, timeout=30)
+        conn = timed_call(conn, "GET", "/healthz", "/healthz", samples, failures)
         stop.wait(gap)
 
 
@@ -136,17 +144,7 @@ def classify_loop(port: int, key: str, stop: threading.Event, count: int, sample
     body = json.dumps({"task": "support-tickets", "items": [{"id": "c", "text": TICKET}]})
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
     while (len(samples) < count) if count else not stop.is_set():
-        started = time.perf_counter()
-        try:
-            conn.request("POST", "/v1/classify", body=body, headers=headers)
-            response = conn.getresponse()
-            response.read()
-            samples.append(time.perf_counter() - started)
-            if response.status != 200:
-                failures.append(f"classify {response.status}")
-        except (OSError, http.client.HTTPException) as exc:
-            failures.append(f"classify {type(exc).__name__}")
-            conn = http.client.HTTPConnection(HOST, port, timeout=300)
+        conn = timed_call(conn, "POST", "/v1/classify", "classify", samples, failures, body=body, headers=headers)
 
 
 def pct(samples: list[float], q: float) -> float:
