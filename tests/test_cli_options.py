@@ -55,6 +55,7 @@ BAD = {
     ("verify", "--mode"): ("full", "--mode must be one of cached, batched", 2),
     **{("extract", option): case for option, case in ANY.items() if option != "--method"},
     ("extract", "--max-new-tokens"): ("0", "--max-new-tokens", 2),
+    ("extract", "--id-field"): ("nope", "'nope'", 1),  # like classify: each row an error line naming it, exit 1
     **{("eval", option): ANY[option] for option in ("input", "--task", "--model", "--batch-size", "--method",
                                                     "--text-field", "--id-field", "--dtype", "--threads")},
     ("eval", "--label-field"): ("nope", "no gold label in field 'nope'", 2),
