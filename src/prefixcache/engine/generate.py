@@ -220,7 +220,8 @@ class _RowOutput:
             on_token(row, token)
         grammar = None if rules is None else rules.accept(row, token)
         ended = token in config.eos_ids
-        stopped = not ended and self.text.ends_with_any(config.stop, self.text.add(token))
+        # stop strings are looked for only when there are some: no incremental decoding otherwise
+        stopped = bool(config.stop) and not ended and self.text.ends_with_any(config.stop, self.text.add(token))
         if not (ended or stopped or grammar is not None or len(self.token_ids) >= config.max_new_tokens):
             return False
         text, finish = finish_of(tokenizer, self.token_ids, config, grammar)

@@ -41,7 +41,6 @@ from ..cache.pool import PrefixKey, PrefixPool
 from ..engine.head_file import describe_head
 from ..run.classify import Classifier
 from ..types import Record, RunConfig
-from ..spec.context import context_limit
 from ..spec.extract_prompt import build_extract_prompt
 from ..spec.prompt import build_prompt
 from ..spec.task import ExtractTask, Task
@@ -162,25 +161,6 @@ class ExtractRunner(_BoundRunner):
         pool: PrefixPool | None = None,
     ):
         super().__init__(loaded, task, Extractor(loaded, task, pool=pool), prefix_limit)
-
-    def prepare(self, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[WorkItem]:
-        """As every runner's, and each item's prompt plus ``max_new_tokens`` must fit the model's context.
-
-        Raises:
-            ItemError: naming the first item whose prompt and output would not fit.
-        """
-        items = super().prepare(tokenizer, records, max_item_tokens)
-        limit = context_limit(self.bound.loaded.model)
-        budget = self.bound.generation.max_new_tokens
-        for item in items:
-            prompt = len(item.rows) + (0 if item.full else self.prefix_tokens)
-            if limit is not None and prompt + budget > limit:
-                raise ItemError(
-                    f"item {item.index} (id {item.record.id!r}): its prompt takes {prompt} tokens, and with the task's "
-                    f"max_new_tokens={budget} that is more than the model's {limit}-token context; shorten it",
-                    item=item.index,
-                )
-        return items
 
     def describe(self) -> dict:
         return {
