@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""One client floods the server; how long does another client's one-item request take? (issue 19, item 9)
+
+The server tells clients apart by their key's role and their address (``docs/server.md``, Fairness). On
+loopback every address in 127.0.0.0/8 reaches the server, so this script gives each client its own source
+address: the *flood* sends from 127.0.0.2, the *victim* from 127.0.0.3.
+
+For each ``--max-batch`` it starts one ``prefixcache serve`` (``support-tickets``, the given model and dtype)
+and measures, in order:
+
+1. **idle**: the victim's one-item ``POST /v1/classify`` requests, one after another, on the idle server;
+2. **flood**: ``--flood-connections`` threads of the flooding client each send ``--flood-items``-item
+   requests back to back (a 429, once the flood holds its share of the queue, is counted and retried after
+   its ``Retry-After``), and meanwhile the victim sends the same one-item requests from its own address.
+
+It prints a markdown table (victim p50/p99/max, the p99 as a multiple of the idle p99, the flood's
+items/s in its passes, the 429s) and a verdict on the issue's bar: the other client's p99 under the flood within
+``--ratio`` x its idle p99. Exit code 0 when every lane's verdict passes and nothing failed; 1 otherwise.
+
+    python scripts/fairness.py                      # --max-batch 32 and 8, serve's default dtype
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+from hostile_uploads import TICKET, pct
+from loadtest import HOST, Server, pass_figures
+
+FLOOD_ADDRESS, VICTIM_ADDRESS = "127.0.0.2", "127.0.0.3"
+
+
+@dataclass
+class Flood:
+    """What the flooding client got: items answered, 429s, other failures."""
+
+    items: int = 0
+    refused: int = 0
+    failures: list[str] = field(default_factory=list)
+    passes: float = 0.0  # the server's forward passes while the victim ran, their items and seconds
+    pass_items: float = 0.0
+    pass_seconds: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def connect(port: int, address: str) -> http.client.HTTPConnection:
+    return http.client.HTTPConnection(HOST, port, timeout=600, source_address=(address, 0))
+
+
+def classify(conn: http.client.HTTPConnection, key: str, items: list[dict]) -> tuple[int, float, dict]:
+    """One POST /v1/classify: (status, seconds, headers)."""
+    body = json.dumps({"task": "support-tickets", "items": items})
+    started = time.perf_counter()
+    conn.request("POST", "/v1/classify", body=body,
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    response = conn.getresponse()
+    response.read()
+    return response.status, time.perf_counter() - started, dict(response.getheaders())
+
+
+def flood_loop(port: int, key: str, size: int, stop: threading.Event, flood: Flood) -> None:
+    """``size``-item requests back to back from the flood's address until ``stop``."""
+    conn = connect(port, FLOOD_ADDRESS)
+    items = [{"id": f"f{i}", "text": f"{TICKET} (copy {i})"} for i in range(size)]
+    while not stop.is_set():
+        try:
+            status, _, headers = classify(conn, key, items)
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            conn = connect(port, FLOOD_ADDRESS)
+            # a kept-alive connection the server closed while this client slept on Retry-After (uvicorn's
+            # keep-alive timeout) is reopened, as HTTP client libraries do; any other failure is counted
+            if not isinstance(exc, (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected)):
+                with flood.lock:
+                    flood.failures.append(type(exc).__name__)
+            continue
+        with flood.lock:
+            if status == 200:
+                flood.items += size
+            elif status == 429:
+                flood.refused += 1
+            else:
+                flood.failures.append(str(status))
+        if status == 429:
+            stop.wait(float(headers.get("retry-after", headers.get("Retry-After", "1"))))
+
+
+def victim(port: int, key: str, address: str, count: int, failures: list[str]) -> list[float]:
+    """``count`` one-item requests one after another from ``address``; their latencies in seconds."""
+    conn, samples = connect(port, address), []
+    while len(samples) < count:
+        status, seconds, _ = classify(conn, key, [{"id": "v", "text": TICKET}])
+        if status != 200:
+            failures.append(f"victim {status}")
+            if len(failures) > count:
+                break
+            time.sleep(0.5)
+            continue
+        samples.append(seconds)
+    return samples
+
+
+def flooded(port: int, key: str, args, address: str, failures: list[str]) -> tuple[list[float], Flood, float]:
+    """The victim's latencies from ``address`` while the flood runs; the flood's figures and seconds."""
+    stop, flood = threading.Event(), Flood()
+    threads = [threading.Thread(target=flood_loop, args=(port, key, args.flood_items, stop, flood))
+               for _ in range(args.flood_connections)]
+    started, before = time.perf_counter(), pass_figures(port, key)
+    [thread.start() for thread in threads]
+    time.sleep(args.flood_lead)  # let the flood fill the queue first
+    samples = victim(port, key, address, args.requests, failures)
+    seconds = time.perf_counter() - started
+    after, answered = pass_figures(port, key), flood.items
+    stop.set()
+    [thread.join() for thread in threads]
+    flood.passes, flood.pass_items, flood.pass_seconds = (a - b for a, b in zip(after, before))
+    flood.items = answered  # requests still in flight when the victim is done are not counted
+    return samples, flood, seconds
+
+
+def run_server(args, max_batch: int) -> list[dict]:
+    """The victim idle, then under the flood, on one server at ``max_batch``."""
+    key = secrets.token_urlsafe(24)
+    server = Server(args, max_batch, key)
+    rows, failures = [], []
+    try:
+        victim(server.port, key, VICTIM_ADDRESS, 3, failures)  # warm-up
+        idle = victim(server.port, key, VICTIM_ADDRESS, args.requests, failures)
+        rows.append(dict(max_batch=max_batch, lane="idle", samples=idle, flood=None, seconds=0.0))
+        samples, flood, seconds = flooded(server.port, key, args, VICTIM_ADDRESS, failures)
+        rows.append(dict(max_batch=max_batch, lane="flood", samples=samples, flood=flood, seconds=seconds))
+        print(f"  max-batch {max_batch}: victim p99 {pct(samples, 0.99):.0f} ms, flood {flood.items} items", flush=True)
+    finally:
+        server.stop()
+    for row in rows:
+        row["failures"] = failures
+    return rows
+
+
+def passes(flood: Flood | None) -> str:
+    """Mean items and milliseconds of the server's passes while the victim ran under the flood."""
+    if not flood or not flood.passes:
+        return "–"
+    return f"{flood.pass_items / flood.passes:.1f}, {1000 * flood.pass_seconds / flood.passes:.0f}"
+
+
+def report(rows: list[dict], args) -> int:
+    """The markdown table and the verdicts; the exit code."""
+    print("\n| --max-batch | lane | victim requests | p50 ms | p99 ms | max ms | p99 / idle p99 "
+          "| model items/s in passes | flood 429s | mean pass: items, ms |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    verdicts, idle = [], {}
+    for row in rows:
+        samples, flood = row["samples"], row["flood"]
+        p99 = pct(samples, 0.99)
+        if row["lane"] == "idle":
+            idle[row["max_batch"]] = p99
+        ratio = p99 / idle[row["max_batch"]]
+        rate = f"{flood.pass_items / flood.pass_seconds:.1f}" if flood and flood.pass_seconds else "–"
+        print(f"| {row['max_batch']} | {row['lane']} | {len(samples)} | {pct(samples, 0.5):.0f} | {p99:.0f} "
+              f"| {pct(samples, 1.0):.0f} | {ratio:.1f}x | {rate} | {flood.refused if flood else '–'} | {passes(flood)} |")
+        if row["lane"] == "flood":
+            verdicts.append((f"--max-batch {row['max_batch']}: the other client's p99 is {ratio:.1f}x idle "
+                             f"(bar {args.ratio:.0f}x)", ratio <= args.ratio))
+        if flood and flood.failures:
+            verdicts.append((f"flood failures: {sorted(set(flood.failures))}", False))
+    failures = rows[0]["failures"] if rows else []
+    verdicts.append((f"victim failures: {len(failures)} {sorted(set(failures))}", not failures))
+    print("\n" + "\n".join(f"* {'PASS' if ok else 'FAIL'}: {text}" for text, ok in verdicts))
+    return 0 if all(ok for _, ok in verdicts) else 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch threads in the server (default: all cores)")
+    p.add_argument("--max-batch", default="32,8", help="comma-separated --max-batch values, one server each")
+    p.add_argument("--requests", type=int, default=20, help="victim requests per lane")
+    p.add_argument("--flood-connections", type=int, default=4, help="the flooding client's concurrent requests")
+    p.add_argument("--flood-items", type=int, default=256, help="items per flood request")
+    p.add_argument("--flood-lead", type=float, default=2.0, help="seconds the flood runs before the victim starts")
+    p.add_argument("--ratio", type=float, default=2.0, help="the bar: victim p99 under the flood / idle p99")
+    args = p.parse_args()
+    args.task, args.max_wait_ms, args.arrival_gap_ms, args.clients, args.items_per_request = (
+        "support-tickets", None, None, 1, 1)
+    rows = []
+    for max_batch in (int(value) for value in args.max_batch.split(",")):
+        rows += run_server(args, max_batch)
+    return report(rows, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
