@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from hostile_uploads import TICKET, pct
+from hostile_uploads import TICKET, add_server_options, pct
 from loadtest import HOST, Server, pass_figures
 
 FLOOD_ADDRESS, VICTIM_ADDRESS = "127.0.0.2", "127.0.0.3"
@@ -177,9 +177,7 @@ def report(rows: list[dict], args) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=None, help="torch threads in the server (default: all cores)")
+    add_server_options(p, dtype="auto")
     p.add_argument("--max-batch", default="32,8", help="comma-separated --max-batch values, one server each")
     p.add_argument("--requests", type=int, default=20, help="victim requests per lane")
     p.add_argument("--flood-connections", type=int, default=4, help="the flooding client's concurrent requests")

@@ -215,11 +215,16 @@ def report(m: dict, args) -> int:
     return 0 if all(ok for _, ok in verdicts) else 1
 
 
+def add_server_options(p: argparse.ArgumentParser, dtype: str) -> None:
+    """The server's model, dtype and torch threads, as every script here takes them."""
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default=dtype)
+    p.add_argument("--threads", type=int, default=None, help="torch threads in the server (default: all cores)")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=None, help="torch threads in the server (default: all cores)")
+    add_server_options(p, dtype="float32")
     p.add_argument("--uploads", type=int, default=20, help="concurrent hostile upload threads")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of attack")
     p.add_argument("--idle-seconds", type=float, default=6.0, help="seconds of /healthz polling on the idle server")
