@@ -12,6 +12,11 @@ step reads every weight once). Every lane's tokens/s is reported as a share of i
 the B=1 lanes (``full`` and ``cached``) are comparable to it: a batched lane reads the weights once for B rows
 and may pass it. A lane's tokens/s counts its whole time, prefill included, so its share understates the
 decode steps alone.
+
+With llama-cpp-python installed (and ``BenchOptions.llama_cpp``), a last lane, ``llama.cpp``, generates on the
+same ``.gguf`` at B = 1 with its own prefix reuse (:mod:`prefixcache.bench.peer_extract`); it decodes freely, so
+its text is compared with ``batched-unconstrained``'s, and its share of the floor is of its own: the bandwidth
+over the ``.gguf``'s bytes.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 from ..eval.verify_extract import compare_extractions
-from ..run.extract import ExtractStats, Extractor
+from ..run.extract import Extraction, ExtractStats, Extractor
 from ..types import Mode, Record, RunConfig
 from .lanes import BenchReport, ModeResult, dtype_name
 from .options import BenchOptions
+from .peer_extract import LLAMA_CPP, llama_cpp_generate
 from .roofline import DecodeFloor, decode_floor
 
 UNCONSTRAINED = "batched-unconstrained"  # the lane that decodes without the answer schema
@@ -56,10 +62,12 @@ class ExtractLaneResult:
 
 def bench_extract(
     extractor: Extractor, records: list[Record], batch_size: int, log: Callable[[str], None] = print,
-    free: Extractor | None = None,
+    free: Extractor | None = None, peer: Callable[[list[Record]], tuple[list[Extraction], ExtractStats]] | None = None,
 ) -> list[ExtractLaneResult]:
     """Time full (uncached), cached and batched extraction on the same records, after a warm-up; then, with an
-    unconstrained ``free`` extractor of the same task, batched extraction without the constraint."""
+    unconstrained ``free`` extractor of the same task, batched extraction without the constraint; then the
+    ``peer`` (llama.cpp, :mod:`prefixcache.bench.peer_extract`), whose outputs are compared with the
+    unconstrained lane's (or, without one, the full lane's)."""
     lanes = [(mode.value, extractor, mode) for mode in Mode]  # full (the reference) first
     if free is not None:
         lanes.append((UNCONSTRAINED, free, Mode.BATCHED))
@@ -74,16 +82,27 @@ def bench_extract(
         outputs = outputs_of[name] = each.extract_all(records, RunConfig(mode, size), stats=stats)
         seconds = time.perf_counter() - started
         reference = outputs_of[Mode.BATCHED.value if name == UNCONSTRAINED else Mode.FULL.value]
-        ttft = [1000 * s for s in stats.first_token_s] or [0.0]
-        results.append(
-            ExtractLaneResult(
-                name, size, len(records), seconds, statistics.fmean(ttft), statistics.median(ttft),
-                stats.tokens_generated,
-                stats.tokens_generated / seconds if seconds else 0.0, stats.prefill_tokens,
-                compare_extractions(reference, outputs).rate, stats.parse_errors, each.constraint is not None,
-            )
-        )
+        results.append(_lane(name, size, len(records), seconds, stats, compare_extractions(reference, outputs).rate,
+                             each.constraint is not None))
+    if peer is not None:
+        log(f"running extract lane {LLAMA_CPP} on {len(records)} records ...")
+        started = time.perf_counter()
+        outputs, stats = peer(records)
+        seconds = time.perf_counter() - started
+        reference = outputs_of[UNCONSTRAINED if free is not None else Mode.FULL.value]
+        results.append(_lane(LLAMA_CPP, 1, len(records), seconds, stats, compare_extractions(reference, outputs).rate, False))
     return results
+
+
+def _lane(
+    name: str, size: int, records: int, seconds: float, stats: ExtractStats, identical: float, constrained: bool
+) -> ExtractLaneResult:
+    ttft = [1000 * s for s in stats.first_token_s] or [0.0]
+    return ExtractLaneResult(
+        name, size, records, seconds, statistics.fmean(ttft), statistics.median(ttft),
+        stats.tokens_generated, stats.tokens_generated / seconds if seconds else 0.0, stats.prefill_tokens,
+        identical, stats.parse_errors, constrained,
+    )
 
 
 def run_extract_bench(options: BenchOptions, log: Callable[[str], None] = print) -> tuple[BenchReport, dict]:
@@ -107,20 +126,26 @@ def run_extract_bench(options: BenchOptions, log: Callable[[str], None] = print)
     floor = decode_floor(loaded.model, loaded.device)
     log_floor(floor, log)
     records = ticket_records(options.items)
-    lanes = bench_extract(extractor, records, options.batch_size, log, free=Extractor(loaded, task, constrained=False))
-    lanes = [replace(lane, pct_of_floor=floor.pct(lane.tokens_per_s)) for lane in lanes]
+    peer = llama_cpp_generate(options.model, extractor, threads, log) if options.llama_cpp else None
+    lanes = bench_extract(extractor, records, options.batch_size, log, free=Extractor(loaded, task, constrained=False),
+                          peer=peer)
+    floors = {LLAMA_CPP: DecodeFloor(floor.memory_read_gb_s, peer.weight_bytes)} if peer is not None else {}
+    if peer is not None:
+        log(f"llama.cpp's own floor: its .gguf is {peer.weight_bytes / 1e6:.1f} MB, so "
+            f"{floors[LLAMA_CPP].tokens_per_s:.1f} tokens/s at the same bandwidth")
+    lanes = [replace(lane, pct_of_floor=floors.get(lane.mode, floor).pct(lane.tokens_per_s)) for lane in lanes]
     full_seconds = lanes[0].seconds
     for lane in lanes:
         log(
             f"extract lane {lane.mode}, B={lane.batch_size}: time to first token {lane.ttft_ms_mean:.1f} ms (median "
             f"{lane.ttft_ms_p50:.1f}), {lane.tokens_per_s:.1f} tokens/s, {1000 * lane.seconds / lane.records:.1f} "
             f"ms/record, {lane.parse_errors} unparsable, {lane.identical:.0%} identical to "
-            + ("constrained batched" if lane.mode == UNCONSTRAINED else "uncached")
+            + {UNCONSTRAINED: "constrained batched", LLAMA_CPP: "unconstrained batched"}.get(lane.mode, "uncached")
             + (f", {lane.pct_of_floor:.0f}% of the B=1 decoding floor" if lane.pct_of_floor is not None else "")
         )
     rows = [
         ModeResult(
-            lane.mode, dtype_name(loaded.dtype), lane.batch_size, lane.records, lane.seconds,
+            lane.mode, "gguf" if lane.mode == LLAMA_CPP else dtype_name(loaded.dtype), lane.batch_size, lane.records, lane.seconds,
             full_seconds / lane.seconds if lane.seconds else float("inf"), lane.identical, 0.0,
             lane.prefill_tokens + lane.tokens_generated,
         )
@@ -133,6 +158,7 @@ def run_extract_bench(options: BenchOptions, log: Callable[[str], None] = print)
         "extract": [lane.to_json() for lane in lanes],
         "constrained_over_unconstrained": lanes[2].seconds / lanes[3].seconds if lanes[3].seconds else None,
         **floor.to_json(),
+        "llama_cpp_weight_bytes": peer.weight_bytes if peer is not None else None,
     }
     return BenchReport(rows, {}), document
 

@@ -44,8 +44,9 @@ def _probe(gguf: Path, threads: int) -> str | None:
     return None
 
 
-def llama_cpp_lane(model_spec: str, classifier: Classifier, threads: int, log: Callable[[str], None]) -> Lane | None:
-    """A lane scoring first-token labels with llama-cpp-python, or None (with a one-line reason)."""
+def open_llama(model_spec: str, threads: int, log: Callable[[str], None]):
+    """A ``llama_cpp.Llama`` on ``model_spec``'s ``.gguf`` (4,096-token context, ``threads`` threads), or None
+    with a one-line reason logged: llama-cpp-python not installed, no ``.gguf``, or a build that crashes here."""
     try:
         import llama_cpp
     except ImportError:
@@ -62,9 +63,21 @@ def llama_cpp_lane(model_spec: str, classifier: Classifier, threads: int, log: C
     if problem:
         log(f"llama.cpp: skipped ({problem})")
         return None
+    return llama_cpp.Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                           verbose=False)
+
+
+def last_logits(llm) -> np.ndarray:
+    """The logits after the last evaluated token: a copy, shape [V]."""
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()
+
+
+def llama_cpp_lane(model_spec: str, classifier: Classifier, threads: int, log: Callable[[str], None]) -> Lane | None:
+    """A lane scoring first-token labels with llama-cpp-python, or None (with a one-line reason)."""
+    llm = open_llama(model_spec, threads, log)
+    if llm is None:
+        return None
     prompt = classifier.prompt
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
-    vocab = llm.n_vocab()
     first = prompt.first_token_ids()
     labels = tuple(prompt.label_ids)
     prefix = list(prompt.prefix_ids)
@@ -85,7 +98,7 @@ def llama_cpp_lane(model_spec: str, classifier: Classifier, threads: int, log: C
                 llm.n_tokens = len(prefix)  # reuse the prefix; eval() drops everything after it
                 rows = list(encoded.suffix_ids)
             llm.eval(rows)
-            logits = torch.from_numpy(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,)).copy()).double()  # [V], last token
+            logits = torch.from_numpy(last_logits(llm)).double()  # [V], last token
             logprobs = torch.log_softmax(logits[first], dim=-1)
             predictions.append(Prediction(record.id, LabelScores(labels, tuple(float(x) for x in logprobs))))
             stats.tokens_computed += len(rows)

@@ -131,13 +131,17 @@ class Extractor(BoundTask):
         return generations
 
     def _result(self, item: WorkItem, generation: Generation) -> Extraction:
+        return self.extraction_of(item.record.id, generation, item.boundary_fallback)
+
+    def extraction_of(self, record_id: object, generation: Generation, boundary_fallback: bool = False) -> Extraction:
+        """The Extraction of one record's ``generation``: its text parsed into the task's fields (an error naming
+        what is wrong, and the token budget when it ran out, if it does not parse)."""
         parsed = parse_fields(generation.text, list(self.task.fields))
         error = parsed.error
         if error is not None and generation.finish == "length":
             error += f" (stopped at max_new_tokens={self.generation.max_new_tokens})"
         return Extraction(
-            item.record.id, parsed.fields, generation.text, error, generation.token_ids, generation.finish,
-            item.boundary_fallback,
+            record_id, parsed.fields, generation.text, error, generation.token_ids, generation.finish, boundary_fallback,
         )
 
     def _failed(self, item: WorkItem) -> Extraction:
