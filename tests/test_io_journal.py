@@ -144,3 +144,38 @@ def test_the_fail_policy_syncs_what_it_wrote_before_stopping(tmp_path, monkeypat
     # under skip the same records are all written, the error as an error line
     with (tmp_path / "skip.jsonl").open("w") as sink:
         assert resume.write_predictions(predictions, sink, "skip") == resume.Written(4, 1, 0)
+
+
+# --- the messages say what to do next (each names the settings to change; mutation testing found them unpinned) ---
+
+
+def test_check_matches_messages_name_the_settings_to_change(tmp_path):
+    records = [Record(i, {"text": "x"}) for i in range(3)]
+    with pytest.raises(InputError) as longer:
+        resume.check_matches(resume.Recovered(4, 0, [0, 1, 2, 3]), records, tmp_path / "o")
+    assert str(longer.value) == (f"{tmp_path / 'o'} has 4 lines but the input has only 3 rows: it belongs to another "
+                                 "input. Move it aside, or choose another out")
+    with pytest.raises(InputError) as other:
+        resume.check_matches(resume.Recovered(2, 0, [0, 5]), records, tmp_path / "o")
+    assert str(other.value) == (f"{tmp_path / 'o'}:2 is for id 5 but input row 1 has id 1: the output belongs to "
+                                "another input (or id_field). Move it aside, or choose another out")
+
+
+def test_skip_done_streams_the_rest_and_refuses_a_shorter_or_other_input(tmp_path):
+    records = [Record(i, {"text": "x"}) for i in range(4)]
+    rest = resume.skip_done(resume.Recovered(2, 0, [0, 1]), iter(records), tmp_path / "o")
+    assert [r.id for r in rest] == [2, 3]
+    with pytest.raises(InputError) as refused:  # an InputError, not the StopIteration of a bare next()
+        list(resume.skip_done(resume.Recovered(3, 0, [0, 1, 2]), iter(records[:2]), tmp_path / "o"))
+    assert str(refused.value) == (f"{tmp_path / 'o'} has 3 lines but the input has only 2 rows: it belongs to another "
+                                  "input. Move it aside, or choose another out")
+    with pytest.raises(InputError, match=r"o:2 is for id 7 but input row 1 has id 1"):
+        list(resume.skip_done(resume.Recovered(2, 0, [0, 7]), iter(records), tmp_path / "o"))
+
+
+def test_the_fail_policy_says_how_to_go_on(tmp_path):
+    predictions = [Prediction(0, SCORES), Prediction(1, error="record 1: no field 'text'")]
+    with pytest.raises(InputError) as stopped:
+        resume.write_predictions(predictions, io.StringIO(), "fail")
+    assert str(stopped.value) == ("record 1: no field 'text'\nstopped by on_error=\"fail\" after 1 lines; fix the input, "
+                                  "then rerun with resume to continue from this record (or use on_error=\"skip\")")
