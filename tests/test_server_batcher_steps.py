@@ -36,10 +36,11 @@ class DecodingRunner:
         self.task = SimpleNamespace(name="decoding")
         self.started = threading.Event()
         self.threads: set[int] = set()
-        self.ended_at = 0.0
+        self.started_at = self.ended_at = 0.0
 
     def run(self, batch):
         self.threads.add(threading.get_ident())
+        self.started_at = time.perf_counter()
         self.started.set()
         for _ in range(STEPS):
             time.sleep(STEP_S)
@@ -95,6 +96,26 @@ def scenario(short_payloads):
     return decoding, short, long_result, shorts, answered_at
 
 
+async def _with_batcher(body):
+    """Run ``body(batcher, submit)`` against a started batcher on its own model thread; stop it after."""
+    with ThreadPoolExecutor(1) as model_thread:
+        batcher = MicroBatcher(model_thread, ServerSettings(max_batch=8, max_wait_ms=5, arrival_gap_ms=1), Metrics())
+        batcher.start()
+
+        async def submit(runner, payload):
+            with batcher.admit(1):
+                return await batcher.submit(runner, [item(payload)])
+
+        try:
+            return await body(batcher, submit)
+        finally:
+            await batcher.stop()
+
+
+async def _until(event: threading.Event) -> None:
+    assert await asyncio.get_running_loop().run_in_executor(None, event.wait, 10), "the pass never started"
+
+
 def test_a_short_request_is_answered_between_decoding_steps_not_after_the_pass():
     decoding, short, long_result, shorts, answered_at = scenario(["a", "b"])
     assert long_result == ["decoded ticket"], "the decoding pass still gets its result"
@@ -146,3 +167,90 @@ def test_generation_gives_the_same_tokens_whatever_runs_between_its_steps(tiny_l
         interleaved, _ = generate_rows(tiny_llama.model, tok, prefix, rows, config)
     assert interleaved == alone
     assert not decodes or len(between) >= 5, "the hook ran at the step boundaries"
+
+
+def test_a_lone_one_item_request_is_let_in_too():
+    decoding, _, _, shorts, answered_at = scenario(["only"])
+    assert shorts == [["scored only"]]
+    assert answered_at < decoding.ended_at, "one queued item waited for the whole decoding pass"
+
+
+def test_short_work_of_two_tasks_is_let_in_oldest_first():
+    decoding, first, second = DecodingRunner(), ShortRunner(), ShortRunner()
+
+    async def body(batcher, submit):
+        long_request = asyncio.ensure_future(submit(decoding, "ticket"))
+        await _until(decoding.started)
+        shorts = await asyncio.gather(submit(first, "a"), submit(second, "b"))
+        answered_at = time.perf_counter()
+        await long_request
+        return shorts, answered_at
+
+    shorts, answered_at = asyncio.run(_with_batcher(body))
+    assert shorts == [["scored a"], ["scored b"]]
+    assert answered_at < decoding.ended_at, "with two short tasks queued, neither was let in between steps"
+    assert first.ran_at[0] < second.ran_at[0], "the older task's pass went first"
+
+
+def test_a_second_decoding_pass_is_never_run_between_the_steps_of_another():
+    first, second, short = DecodingRunner(), DecodingRunner(), ShortRunner()
+
+    async def body(batcher, submit):
+        long_request = asyncio.ensure_future(submit(first, "one"))
+        await _until(first.started)
+        queued = asyncio.ensure_future(submit(second, "two"))  # older than the short item below
+        await asyncio.sleep(0)
+        return await asyncio.gather(long_request, queued, submit(short, "a"))
+
+    results = asyncio.run(_with_batcher(body))
+    assert results == [["decoded one"], ["decoded two"], ["scored a"]]
+    assert second.started_at >= first.ended_at, "a decoding pass ran nested inside another's steps"
+    assert short.ran_at[0] < first.ended_at, "the short item still got in between the first pass's steps"
+
+
+def test_stopping_during_a_short_pass_between_steps_fails_its_request_at_once():
+    from prefixcache.errors import ShuttingDownError
+
+    decoding, entered, release = DecodingRunner(), threading.Event(), threading.Event()
+
+    class BlockingShort(ShortRunner):
+        def run(self, batch):
+            entered.set()
+            release.wait(10)
+            return super().run(batch)
+
+    async def body(batcher, submit):
+        asyncio.ensure_future(submit(decoding, "ticket"))
+        await _until(decoding.started)
+        short_request = asyncio.ensure_future(submit(BlockingShort(), "a"))
+        await _until(entered)
+        await batcher.stop()
+        await asyncio.sleep(0)
+        done = short_request.done()
+        release.set()
+        return done, (await asyncio.gather(short_request, return_exceptions=True))[0]
+
+    done, outcome = asyncio.run(_with_batcher(body))
+    assert done, "the short pass's request was left waiting after stop()"
+    assert isinstance(outcome, ShuttingDownError)
+
+
+def test_with_no_short_work_queued_the_steps_never_wait_on_the_event_loop(monkeypatch):
+    """Each hand-off makes a decoding step wait for the event loop (up to 5 s when it is busy): none without short work."""
+    import prefixcache.server.batcher as batcher_module
+
+    handoffs = []
+    real = batcher_module.asyncio.run_coroutine_threadsafe
+
+    def counted(coroutine, loop):
+        handoffs.append(threading.get_ident())
+        return real(coroutine, loop)
+
+    monkeypatch.setattr(batcher_module.asyncio, "run_coroutine_threadsafe", counted)
+    decoding = DecodingRunner()
+
+    async def body(batcher, submit):
+        return await submit(decoding, "ticket")
+
+    assert asyncio.run(_with_batcher(body)) == ["decoded ticket"]
+    assert handoffs == [], f"{len(handoffs)} of {STEPS} steps handed off to the loop with nothing queued"
