@@ -573,8 +573,8 @@ def test_a_slow_task_upload_does_not_hold_up_other_requests(loaded, task):
     """Issue 19, item 1: a task upload is parsed off the event loop (now in a child process, see
     ``uploads.UploadParser``), so /healthz, sent while that upload is in flight, is answered before it (on the
     event loop, it waited for the whole parse). The upload is the server's first, so it also waits for the
-    parser's process to start: well over the 0.2 s after which /healthz is sent."""
-    body = "name: slow\ninstruction: x\nlabels:\n" + "".join(f"  label{i}: [{i}, {i}]\n" for i in range(2_000))
+    parser's process to start: well over the 0.05 s after which /healthz is sent (a body of about 230 KB, under max_task_bytes)."""
+    body = "name: slow\ninstruction: x\nlabels:\n" + "".join(f"  label{i}: [{i}, {i}]\n" for i in range(9_000))
     done: dict[str, float] = {}
     with serving(loaded, [task]) as server:
         def upload():
@@ -584,7 +584,7 @@ def test_a_slow_task_upload_does_not_hold_up_other_requests(loaded, task):
 
         uploading = threading.Thread(target=upload)
         uploading.start()
-        time.sleep(0.2)  # let the server start parsing
+        time.sleep(0.05)  # let the upload reach the server
         sent = time.perf_counter()
         assert call(server, "GET", "/healthz")[0] == 200
         done["health"] = time.perf_counter()
