@@ -122,3 +122,19 @@ def test_a_head_without_a_bias_attribute_scores_like_a_bias_free_linear():
     hidden = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(bare_head.first_token(hidden), head.first_token(hidden), atol=1e-6, rtol=0)
     torch.testing.assert_close(bare_head.vocab_logprobs(hidden), head.vocab_logprobs(hidden), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("label_pass", ["trie", "per-label"])
+def test_the_label_pass_asked_for_is_the_one_kept(label_pass):
+    """``engine/forward.py`` routes ``full`` scoring by ``head.label_pass``: a head that lost it would score every
+    record label by label (the same numbers, far slower: mutation testing found it unpinned)."""
+    model = HeadModel(False)
+    prompt = SimpleNamespace(label_ids=LABEL_IDS, first_token_ids=lambda: FIRST)
+    assert LabelHead(model, prompt, "full", label_pass).label_pass == label_pass
+
+
+def test_an_unknown_label_pass_is_refused_naming_the_choices():
+    prompt = SimpleNamespace(label_ids=LABEL_IDS, first_token_ids=lambda: FIRST)
+    with pytest.raises(ValueError) as refused:
+        LabelHead(HeadModel(False), prompt, "full", "fast")
+    assert str(refused.value) == "label_pass must be one of ('trie', 'per-label'), got 'fast'"
