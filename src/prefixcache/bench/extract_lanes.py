@@ -129,8 +129,9 @@ def run_extract_bench(options: BenchOptions, log: Callable[[str], None] = print)
     peer = llama_cpp_generate(options.model, extractor, threads, log) if options.llama_cpp else None
     lanes = bench_extract(extractor, records, options.batch_size, log, free=Extractor(loaded, task, constrained=False),
                           peer=peer)
-    floors = {LLAMA_CPP: DecodeFloor(floor.memory_read_gb_s, peer.weight_bytes)} if peer is not None else {}
+    floors = {}
     if peer is not None:
+        floors[LLAMA_CPP] = DecodeFloor(floor.memory_read_gb_s, peer.weight_bytes)
         log(f"llama.cpp's own floor: its .gguf is {peer.weight_bytes / 1e6:.1f} MB, so "
             f"{floors[LLAMA_CPP].tokens_per_s:.1f} tokens/s at the same bandwidth")
     lanes = [replace(lane, pct_of_floor=floors.get(lane.mode, floor).pct(lane.tokens_per_s)) for lane in lanes]

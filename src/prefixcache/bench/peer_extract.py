@@ -3,8 +3,8 @@
 The same ``.gguf``, threads and prompt tokens as the extraction lanes, one record at a time (B = 1), with
 llama.cpp's own prefix reuse: the prefix is evaluated once, and before each record the KV cache is cut back to
 it (a record that crosses the prefix boundary is evaluated whole, then the prefix is rebuilt). Decoding is
-greedy (the argmax of llama.cpp's logits), and a row ends exactly as in
-:func:`~prefixcache.engine.generate.finish_of`: an end-of-sequence token, a stop string, or ``max_new_tokens``.
+greedy (the argmax of llama.cpp's logits), and a row ends exactly as our decoder's rows do (the same
+:class:`~prefixcache.engine.generate.RowOutput`): an end-of-sequence token, a stop string, or ``max_new_tokens``.
 
 It decodes *freely*: llama.cpp's grammars are another constraint engine, so the fair comparison of its text is
 with the bench's ``batched-unconstrained`` lane. Its weights are Q4_1 blocks and its activations are quantized
@@ -19,10 +19,10 @@ from typing import Callable
 
 import numpy as np
 
-from ..engine.generate import Generation, GenerationConfig, finish_of
+from ..engine.generate import Generation, GenerationConfig, RowOutput
 from ..run.extract import Extraction, ExtractStats, Extractor
 from ..types import Record
-from .peers import last_logits, open_llama
+from .peers import last_logits, open_llama, record_evaluated
 
 LLAMA_CPP = "llama.cpp"
 
@@ -48,40 +48,30 @@ class LlamaCppGenerator:
         llm.eval(self._prefix)  # the shared prefix, once, like our prefix build
 
     def __call__(self, records: list[Record]) -> tuple[list[Extraction], ExtractStats]:
-        llm, prompt, tokenizer = self._llm, self._extractor.prompt, self._extractor.loaded.tokenizer
+        prompt, tokenizer = self._extractor.prompt, self._extractor.loaded.tokenizer
         stats, outputs = ExtractStats(), []
         texts = [prompt.suffix_text(r.fields, r.id) for r in records]
         for record, encoded in zip(records, prompt.encode(tokenizer, texts)):
             started = time.perf_counter()
-            crosses = encoded.suffix_ids is None
-            if crosses:
-                llm.reset()
-                rows = list(encoded.full_ids)
-            else:
-                llm.n_tokens = len(self._prefix)  # reuse the prefix; eval() drops everything after it
-                rows = list(encoded.suffix_ids)
-            llm.eval(rows)
-            token_ids, text, finish, first_token_s = _greedy(llm, tokenizer, self._extractor.generation)
+            with record_evaluated(self._llm, self._prefix, encoded) as rows:
+                generation, first_token_s = _greedy(self._llm, tokenizer, self._extractor.generation)
             stats.first_token_s.append(first_token_s - started)
             stats.prefill_tokens += len(rows)
-            stats.tokens_generated += len(token_ids)
-            output = self._extractor.extraction_of(record.id, Generation(tuple(token_ids), text, finish), crosses)
+            stats.tokens_generated += len(generation.token_ids)
+            output = self._extractor.extraction_of(record.id, generation, encoded.suffix_ids is None)
             stats.parse_errors += output.error is not None
             outputs.append(output)
-            if crosses:
-                llm.reset()
-                llm.eval(self._prefix)
         return outputs, stats
 
 
-def _greedy(llm, tokenizer, config: GenerationConfig) -> tuple[list[int], str, str, float]:
-    """Decode greedily after the evaluated prompt: (token ids, text, finish, perf_counter of the first token)."""
-    token_ids: list[int] = []
+def _greedy(llm, tokenizer, config: GenerationConfig) -> tuple[Generation, float]:
+    """Decode greedily after the evaluated prompt, a row ending as :func:`~prefixcache.engine.generate.generate_rows`'
+    rows do (:class:`~prefixcache.engine.generate.RowOutput`): the generation and the perf_counter of its first token."""
+    row = RowOutput(tokenizer)
     first_token_s = 0.0
     while True:
-        token_ids.append(int(np.argmax(last_logits(llm))))
+        token = int(np.argmax(last_logits(llm)))
         first_token_s = first_token_s or time.perf_counter()
-        text, finish = finish_of(tokenizer, token_ids, config)
-        if finish is not None:
-            return token_ids, text, finish, first_token_s
-        llm.eval([token_ids[-1]])
+        if row.add(token, None, tokenizer, config, None, 0, None):
+            return row.generation, first_token_s
+        llm.eval([token])

@@ -8,8 +8,9 @@ each record, which is how llama.cpp reuses a shared prompt prefix).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -17,6 +18,7 @@ import torch
 from .lanes import Lane
 from ..model.load import EMBEDDED, embedded_gguf
 from ..run.classify import Classifier
+from ..spec.prompt import Encoded
 from ..types import LabelScores, Prediction, Record, RunStats
 
 
@@ -72,6 +74,27 @@ def last_logits(llm) -> np.ndarray:
     return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()
 
 
+@contextmanager
+def record_evaluated(llm, prefix: list[int], encoded: Encoded) -> Iterator[list[int]]:
+    """Evaluate one record in ``llm`` after the stored ``prefix`` (llama.cpp's prompt reuse: the KV cache is cut
+    back to the prefix first) and yield the tokens evaluated. A record that crosses the prefix boundary is
+    evaluated whole, like the record loop's fallback, and the prefix is rebuilt when the block ends."""
+    crosses = encoded.suffix_ids is None
+    if crosses:
+        llm.reset()
+        rows = list(encoded.full_ids)
+    else:
+        llm.n_tokens = len(prefix)  # eval() drops everything after the prefix
+        rows = list(encoded.suffix_ids)
+    llm.eval(rows)
+    try:
+        yield rows
+    finally:
+        if crosses:
+            llm.reset()
+            llm.eval(prefix)
+
+
 def llama_cpp_lane(model_spec: str, classifier: Classifier, threads: int, log: Callable[[str], None]) -> Lane | None:
     """A lane scoring first-token labels with llama-cpp-python, or None (with a one-line reason)."""
     llm = open_llama(model_spec, threads, log)
@@ -91,20 +114,11 @@ def llama_cpp_lane(model_spec: str, classifier: Classifier, threads: int, log: C
         texts = [prompt.suffix_text(r.fields, r.id) for r in records]
         predictions = []
         for record, encoded in zip(records, prompt.encode(classifier.loaded.tokenizer, texts)):
-            if encoded.suffix_ids is None:  # crosses the boundary: re-encode in full, like the record loop
-                llm.reset()
-                rows = list(encoded.full_ids)
-            else:
-                llm.n_tokens = len(prefix)  # reuse the prefix; eval() drops everything after it
-                rows = list(encoded.suffix_ids)
-            llm.eval(rows)
-            logits = torch.from_numpy(last_logits(llm)).double()  # [V], last token
+            with record_evaluated(llm, prefix, encoded) as rows:
+                logits = torch.from_numpy(last_logits(llm)).double()  # [V], last token
             logprobs = torch.log_softmax(logits[first], dim=-1)
             predictions.append(Prediction(record.id, LabelScores(labels, tuple(float(x) for x in logprobs))))
             stats.tokens_computed += len(rows)
-            if encoded.suffix_ids is None:
-                llm.reset()
-                llm.eval(prefix)
         return predictions, stats
 
     return Lane("llama.cpp", "gguf", 1, run, warm=warm)

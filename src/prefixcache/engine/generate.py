@@ -172,7 +172,7 @@ def generate_rows(
 
     attention = torch.cat([past, mask], dim=1)  # [B, P + S]: what each row's next token may see
     positions = lengths + prefix.length  # [B]: RoPE index of each row's next token
-    rows_out = [_RowOutput(tokenizer) for _ in rows]
+    rows_out = [RowOutput(tokenizer) for _ in rows]
     steps = 1
     while True:
         keep = [slot for slot, row in enumerate(live) if not rows_out[row].add(
@@ -196,7 +196,7 @@ def generate_rows(
     return results, GenerationTiming(first_token_s, time.perf_counter() - started, steps, tokens)
 
 
-class _RowOutput:
+class RowOutput:
     """One row's tokens so far; ``generation`` is set once the row has finished.
 
     The stop strings are looked for in the text the new token completes (:class:`IncrementalText`), so a
