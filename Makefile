@@ -37,9 +37,13 @@ test-fast: install
 # MUTANTS narrows the run to mutant-name globs, e.g.  make mutants MUTANTS='prefixcache.scoring.*'
 MUTANTS      ?=
 MUTANT_JOBS  ?= 2
+# Each mutant's tests get one torch thread (two children on two cores do not oversubscribe them, and OpenMP's
+# spin-waiting is not charged as CPU time against mutmut's CPU-time limit) and a wall-clock limit per test
+# (pytest-timeout: a mutant that makes a test *wait* is caught in seconds; the CPU-time limit cannot see it).
+MUTANT_TEST_TIMEOUT ?= 60
 mutants: install
-	$(BIN)/pip install -q 'mutmut>=3.2'
-	$(BIN)/mutmut run --max-children $(MUTANT_JOBS) $(MUTANTS)
+	$(BIN)/pip install -q 'mutmut>=3.2' 'pytest-timeout>=2.3'
+	OMP_NUM_THREADS=1 PYTEST_TIMEOUT=$(MUTANT_TEST_TIMEOUT) $(BIN)/mutmut run --max-children $(MUTANT_JOBS) $(MUTANTS)
 	$(BIN)/python scripts/mutation_report.py --survivors
 
 # Many labels (issue 16): the 77 banking77 intents (one example each, a ~4,100-token prefix) on records of

@@ -71,8 +71,9 @@ class LabelTrie:
         Raises:
             ValueError: a label has no tokens.
         """
-        if any(len(ids) == 0 for ids in label_ids):
-            raise ValueError("every label needs at least one token")
+        empty = [k for k, ids in enumerate(label_ids) if len(ids) == 0]
+        if empty:
+            raise ValueError(f"every label needs at least one token; label {empty[0]} (0-based) has none")
         children: dict[tuple[int, ...], dict[int, tuple[int, ...]]] = {(): {}}
         for ids in label_ids:
             for depth in range(len(ids)):
