@@ -17,7 +17,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from prefixcache.cache.kv import PrefixKV
@@ -77,6 +77,43 @@ def test_parts_are_closed_under_ancestry_and_compute_every_edge_once(max_fed):
             assert source == 0 or part.tokens[source - 1] == trie.whole.tokens[trie.whole.edge_sources[e] - 1]
     with pytest.raises(ValueError, match="label path"):
         trie.parts(3)  # the long label's path needs 4 fed nodes
+
+
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=30),
+    fed=st.integers(0, 20),
+    budget=st.integers(1, 200),
+)
+@example(lengths=[3, 3], fed=1, budget=8)  # an exact fit, in the first group
+@example(lengths=[5, 3, 3], fed=1, budget=8)  # an exact fit, in a later group
+def test_rows_are_grouped_greedily_in_order_within_the_token_budget(lengths, fed, budget):
+    """Each group is consecutive rows whose tokens plus ``fed`` nodes each fit the budget (a lone row
+    always runs), and a group ends only where the next row would not fit: as few passes as in-order allows."""
+    groups = label_pass._groups(lengths, fed, budget)
+    assert [i for group in groups for i in group] == list(range(len(lengths)))
+    sizes = [sum(lengths[i] + fed for i in group) for group in groups]
+    for group, size in zip(groups, sizes):
+        assert group and (size <= budget or len(group) == 1)
+    for size, following in zip(sizes, groups[1:]):
+        assert size + lengths[following[0]] + fed > budget
+
+
+def test_parts_are_filled_in_depth_first_order_and_start_a_new_part_only_when_full():
+    """Fed nodes 1, 1-2, 1-5 at two per part: the first part takes 1 and 1-2; 1-5 would make three, so it
+    starts a second part that repeats its ancestor 1. The root's edges are in the first part only."""
+    trie = LabelTrie.build([(1, 2, 3), (1, 2, 4), (1, 5, 6), (1, 5, 7)])
+    first, second = trie.parts(2)
+    assert (first.tokens, first.parents, second.tokens, second.parents) == ((1, 2), (-1, 0), (1, 5), (-1, 0))
+    assert first.edge_tokens == (1, 2, 5, 3, 4) and first.edge_sources == (0, 1, 1, 2, 2)
+    assert second.edge_tokens == (6, 7) and second.edge_sources == (2, 2)
+    assert trie.parts(3) == [trie.whole]
+
+
+def test_a_part_too_small_for_the_longest_path_is_refused_naming_both_sizes():
+    trie = LabelTrie.build([(1, 2, 3, 4), (5, 6)])
+    with pytest.raises(ValueError) as refused:
+        trie.parts(2)
+    assert str(refused.value) == "a part of 2 fed nodes cannot hold a label path of 3"
 
 
 def test_a_label_with_no_tokens_is_refused():
@@ -141,9 +178,15 @@ def test_many_labels_and_rows_stay_within_the_token_budget_and_the_normalizer_ch
     stored = PrefixKV.build(model, list(range(10, 30)))
     unsplit = label_pass.score_whole_labels(model, stored, rows, _head(model, labels), token_budget=10**6)
 
-    seen_tokens, seen_rows = [], []
+    seen_tokens, seen_rows = [], []  # real tokens per forward pass: the rows' (a 2-D mask), then the fed nodes'
     forward = model.model.forward
-    monkeypatch.setattr(model.model, "forward", lambda *a, **k: seen_tokens.append(k["input_ids"].shape[1]) or forward(*a, **k))
+
+    def counted(*a, **k):
+        ids, mask = k["input_ids"], k["attention_mask"]
+        seen_tokens.append(int(mask[:, -ids.shape[1] :].sum()) if mask.dim() == 2 else ids.numel())
+        return forward(*a, **k)
+
+    monkeypatch.setattr(model.model, "forward", counted)
     vocab = LabelHead.vocab_logprobs
     monkeypatch.setattr(LabelHead, "vocab_logprobs", lambda self, h: seen_rows.append(h.shape[:-1].numel()) or vocab(self, h))
     monkeypatch.setattr(scoring, "LOGIT_BYTES", 4 * len(make_tokenizer()) * 48)  # 48 rows of logits at a time
@@ -151,7 +194,8 @@ def test_many_labels_and_rows_stay_within_the_token_budget_and_the_normalizer_ch
     assert head.normalizer_rows == 48 and len(head.trie.whole) > 48
     split = label_pass.score_whole_labels(model, stored, rows, head, token_budget=64)
 
-    assert len(seen_tokens) > len(head.trie.parts(47)) > 1
-    assert max(seen_tokens) <= 64
+    assert len(seen_tokens) > 2 * len(head.trie.parts(47)) > 2
+    per_group = [rows_pass + fed_pass for rows_pass, fed_pass in zip(seen_tokens[::2], seen_tokens[1::2])]
+    assert max(per_group) <= 64
     assert max(seen_rows) <= 48
     torch.testing.assert_close(split, unsplit, atol=ATOL, rtol=RTOL)
