@@ -199,3 +199,25 @@ def test_many_labels_and_rows_stay_within_the_token_budget_and_the_normalizer_ch
     assert max(per_group) <= 64
     assert max(seen_rows) <= 48
     torch.testing.assert_close(split, unsplit, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("rows_at_once", [2, 1])
+def test_edge_logprobs_hold_whole_rows_of_logits_up_to_the_normalizer_and_at_least_one(monkeypatch, rows_at_once):
+    """hidden ``[7, 1 + N, H]`` with N = 6 fed nodes: at a normalizer of 2 rows' positions (14) the
+    logits come 2 rows at a time; at a normalizer smaller than one row's positions, one row at a time.
+    Either way the edges' log-probs equal the unchunked ones."""
+    model = _model("llama", 1, 2, 0)
+    head = _head(model, LABELS)
+    part = head.trie.whole
+    hidden = torch.randn(7, 1 + len(part), model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    assert len(part) == 6 and hidden.shape[-1] != 1 + len(part)
+    whole = head.edge_logprobs(hidden, part)  # the default normalizer holds every row at once
+
+    chunks = []
+    vocab = LabelHead.vocab_logprobs
+    monkeypatch.setattr(LabelHead, "vocab_logprobs", lambda self, h: chunks.append(h.shape[0]) or vocab(self, h))
+    positions = 2 * (1 + len(part)) if rows_at_once == 2 else 1
+    monkeypatch.setattr(scoring, "LOGIT_BYTES", 4 * head._weight.shape[0] * positions)
+    assert head.normalizer_rows == positions
+    torch.testing.assert_close(head.edge_logprobs(hidden, part), whole, atol=0, rtol=0)
+    assert chunks == [2, 2, 2, 1] if rows_at_once == 2 else chunks == [1] * 7
