@@ -1,0 +1,61 @@
+"""A stored prefix's own operations (cache/kv.py): the head views of its first tokens and the copy that
+owns its memory, which the pool uses to serve a shorter prefix out of a longer stored one.
+
+Pure tensor checks on a prefix built by a tiny random Llama; the pool tests cover the same calls end to
+end, but they are slow and out of the mutation run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixcache.cache.kv import PrefixKV
+
+IDS = tuple(range(10, 17))  # a 7-token prefix
+
+
+@pytest.fixture(scope="module")
+def stored(tiny_llama) -> PrefixKV:
+    return PrefixKV.build(tiny_llama.model, IDS)
+
+
+@pytest.mark.parametrize("length", [0, 1, 4, 7])
+def test_the_head_of_every_length_from_none_to_all_is_the_first_tokens_as_views(stored, length):
+    head = stored.head(length)
+    assert head.token_ids == IDS[:length] and head.length == length
+    for own, whole in zip((*head.keys, *head.values), (*stored.keys, *stored.values)):
+        assert own.shape == (*whole.shape[:2], length, whole.shape[3])  # [1, kv_heads, length, head_dim]
+        assert own.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()  # a view, no copy
+        assert torch.equal(own, whole[..., :length, :])
+
+
+@pytest.mark.parametrize("length", [-1, 8])
+def test_a_head_outside_the_prefix_is_refused_naming_both_lengths(stored, length):
+    with pytest.raises(ValueError) as refused:
+        stored.head(length)
+    assert str(refused.value) == f"head({length}) of a 7-token prefix"
+
+
+def test_a_copy_of_a_head_owns_contiguous_tensors_with_the_same_values(stored):
+    head = stored.head(3)
+    assert not head.keys[0].is_contiguous()  # a slice along the token axis of [1, kv_heads, P, head_dim]
+    copy = head.copy()
+    assert copy.token_ids == head.token_ids
+    for own, view in zip((*copy.keys, *copy.values), (*head.keys, *head.values)):
+        assert own.is_contiguous() and torch.equal(own, view)
+        assert own.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
+    assert copy.checksum() == head.checksum()
+
+
+def test_a_copy_is_contiguous_even_of_dense_tensors_in_another_layout(stored):
+    """A slice has gaps, so any clone of it is laid out afresh; tensors that are dense but transposed (as an
+    unpacked storage layout may hand back) would keep their strides under a plain clone."""
+    def transposed(tensors):
+        return tuple(t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in tensors)
+
+    keys, values = transposed(stored.keys), transposed(stored.values)
+    assert not keys[0].is_contiguous() and not values[0].is_contiguous()
+    copy = PrefixKV(stored.token_ids, keys, values).copy()
+    assert all(t.is_contiguous() for t in (*copy.keys, *copy.values))
+    assert all(torch.equal(a, b) for a, b in zip((*copy.keys, *copy.values), (*stored.keys, *stored.values)))
