@@ -1,0 +1,56 @@
+"""The record loop's bookkeeping (run/loop.py, run/classify.py) on a tiny random Llama: the progress
+callback, the pass counters, and the server's entry (``run_prepared``) touching the stored prefix only
+when an item runs after it. What each record's scores are is guarded by test_run_invariants.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixcache.cache.kv import PrefixKV
+from prefixcache.run.classify import Classifier, Record, RunConfig, RunStats, records_from_texts
+
+TEXTS = ["refund please", "my card was charged twice for one order", "hi", "the app crashes on login", "ok"]
+
+
+def test_progress_counts_every_record_once_including_a_failed_one(tiny_llama, task):
+    ticks: list[int] = []
+    records = [*records_from_texts(TEXTS), Record("bad", {"body": "no text field"})]
+    predictions = Classifier(tiny_llama, task).classify_all(records, RunConfig("batched", 2), progress=ticks.append)
+    assert len(predictions) == 6 and predictions[-1].error
+    assert sum(ticks) == 6 and all(n >= 1 for n in ticks)
+
+
+@pytest.mark.parametrize("mode, batch, per_batch", [("batched", 2, [2, 2, 1]), ("cached", 4, [1] * 5), ("batched", 8, [5])])
+def test_each_forward_pass_is_counted_once_with_its_records(tiny_llama, task, mode, batch, per_batch):
+    stats = RunStats()
+    Classifier(tiny_llama, task).classify_all(records_from_texts(TEXTS), RunConfig(mode, batch), stats=stats)
+    assert stats.forward_passes == len(per_batch) and stats.per_batch == per_batch
+    assert stats.records == 5 and stats.errors == 0
+
+
+@pytest.fixture
+def builds(monkeypatch) -> list[int]:
+    """The token count of every prefix the decoder builds (``PrefixKV.build``)."""
+    calls: list[int] = []
+    real = PrefixKV.build.__func__
+
+    def spy(cls, model, token_ids):
+        calls.append(len(token_ids))
+        return real(cls, model, token_ids)
+
+    monkeypatch.setattr(PrefixKV, "build", classmethod(spy))
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["full", "batched"])
+def test_run_prepared_builds_the_prefix_only_when_an_item_runs_after_it(tiny_llama, task, builds, mode):
+    """Items that all re-encode in full (mode ``full``), or that all failed, never need the stored prefix:
+    building it (or looking it up in a pool) would cost a prefix's pass for nothing."""
+    classifier = Classifier(tiny_llama, task)
+    failed = classifier.prepare([Record("bad", {"body": "x"})], RunConfig(mode))
+    assert classifier.run_prepared(failed)[0].error and builds == []
+    items = classifier.prepare(records_from_texts(TEXTS[:2]), RunConfig(mode))
+    results = classifier.run_prepared(items)
+    assert [r.label is not None for r in results] == [True, True]
+    assert builds == ([] if mode == "full" else [len(classifier.prompt.prefix_ids)])
