@@ -54,3 +54,26 @@ def test_run_prepared_builds_the_prefix_only_when_an_item_runs_after_it(tiny_lla
     results = classifier.run_prepared(items)
     assert [r.label is not None for r in results] == [True, True]
     assert builds == ([] if mode == "full" else [len(classifier.prompt.prefix_ids)])
+
+
+LONG = Record("long", {"text": "refund " * 600})  # past the tiny models' 512-token context
+
+
+def test_errors_and_context_overflows_add_up_over_windows(tiny_llama, task):
+    """Counters add across windows (the failures are all in the first of three), and each failed record
+    keeps its own id and says why."""
+    stats = RunStats()
+    records = [Record("bad", {"body": "x"}), LONG, *records_from_texts(TEXTS[:4])]
+    predictions = Classifier(tiny_llama, task).classify_all(records, RunConfig("batched", 2, window=2), stats=stats)
+    assert [p.id for p in predictions] == ["bad", "long", 0, 1, 2, 3]
+    assert "'text'" in predictions[0].error and "too long" in predictions[1].error
+    assert (stats.records, stats.errors, stats.context_overflows) == (6, 2, 1)
+
+
+def test_a_record_cut_to_fit_is_scored_and_marked_truncated(tiny_llama, task):
+    stats = RunStats()
+    config = RunConfig("batched", 2, overflow="truncate")
+    cut, whole = Classifier(tiny_llama, task).classify_all([LONG, *records_from_texts(TEXTS[:1])], config, stats=stats)
+    assert cut.error is None and cut.label is not None and cut.truncated and cut.warning
+    assert whole.label is not None and not whole.truncated
+    assert (stats.errors, stats.context_overflows) == (0, 0)
