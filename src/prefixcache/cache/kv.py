@@ -263,9 +263,3 @@ class ForkedCache(Cache):
     @property
     def own_length(self) -> int:
         return self.layers[0].own_length()
-
-    def own_nbytes(self) -> int:
-        """Bytes this fork holds beyond the shared prefix."""
-        return sum(
-            t.numel() * t.element_size() for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values)
-        )
