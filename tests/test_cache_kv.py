@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixcache.cache.kv import PrefixKV
+from prefixcache.cache.kv import KVShape, PrefixKV
+from prefixcache.model.load import build_random_model
+
+from conftest import make_tokenizer, tiny_config
 
 IDS = tuple(range(10, 17))  # a 7-token prefix
 
@@ -59,3 +62,21 @@ def test_a_copy_is_contiguous_even_of_dense_tensors_in_another_layout(stored):
     copy = PrefixKV(stored.token_ids, keys, values).copy()
     assert all(t.is_contiguous() for t in (*copy.keys, *copy.values))
     assert all(torch.equal(a, b) for a, b in zip((*copy.keys, *copy.values), (*stored.keys, *stored.values)))
+
+
+@pytest.mark.parametrize("head_dim", ["default", 24, "unset"])
+def test_the_cache_geometry_predicts_the_bytes_a_built_prefix_holds(head_dim):
+    """The pool sizes a prefix before building it from :class:`KVShape`. A model may set ``head_dim``
+    apart from ``hidden_size // num_attention_heads`` (64 // 4 = 16 here; 24 set explicitly), or leave it
+    unset (``None``: older configs), and the estimate must follow the one its attention uses."""
+    config = tiny_config("llama", len(make_tokenizer()))
+    if head_dim == 24:
+        config = type(config).from_dict(config.to_dict() | {"head_dim": head_dim})
+    model = build_random_model(config, seed=0)
+    if head_dim == "unset":
+        config.head_dim = None  # the attention layers already hold their 16; only the geometry reads it now
+    shape = KVShape.of(config)
+    assert (shape.layers, shape.kv_heads, shape.head_dim) == (2, 2, 24 if head_dim == 24 else 16)
+    assert type(shape.head_dim) is int
+    built = PrefixKV.build(model, IDS)
+    assert shape.nbytes(len(IDS), 4) == built.nbytes

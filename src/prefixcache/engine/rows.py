@@ -17,17 +17,15 @@ from typing import Sequence
 import torch
 
 from ..cache.attention import Packing, use_shared_prefix_attention
-from ..cache.kv import ForkedCache, PrefixKV
+from ..cache.kv import ForkedCache, KVShape, PrefixKV
 
 
 def empty_prefix(model: torch.nn.Module) -> PrefixKV:
     """A zero-length prefix: forking it and feeding whole prompts is full re-encoding."""
-    cfg = model.config.get_text_config(decoder=True)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    shape = KVShape.of(model.config)
     param = next(model.parameters())
-    empty = torch.zeros(1, cfg.num_key_value_heads, 0, head_dim, dtype=param.dtype, device=param.device)
-    layers = cfg.num_hidden_layers
-    return PrefixKV((), (empty,) * layers, (empty,) * layers)
+    empty = torch.zeros(1, shape.kv_heads, 0, shape.head_dim, dtype=param.dtype, device=param.device)
+    return PrefixKV((), (empty,) * shape.layers, (empty,) * shape.layers)
 
 
 def pad_rows(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
