@@ -244,7 +244,9 @@ def test_stop_fails_every_queued_request_with_shutting_down():
             await until(started.is_set, "the blocking pass started")
             queued = asyncio.ensure_future(batcher.submit(waiting, [item("y"), item("z")]))
             await until(lambda: batcher.depth == 2, "items queued")
+            loop_task = batcher._loop_task
             await batcher.stop()
+            assert loop_task.done(), "stop() returned before the batcher's loop had ended"
             gate.set()
             outcomes = await asyncio.gather(hold, queued, return_exceptions=True)
             assert not batcher.running and batcher.depth == 0
@@ -255,4 +257,5 @@ def test_stop_fails_every_queued_request_with_shutting_down():
     hold, queued = asyncio.run(scenario())
     assert isinstance(hold, ShuttingDownError), f"the request in the running pass got {hold!r}"
     assert isinstance(queued, ShuttingDownError), f"the queued request got {queued!r}"
+    assert str(queued) == str(hold) == "the server is shutting down; retry elsewhere"
     assert ("waiting", ["y", "z"]) not in log, "a stopped batcher must not run queued items"
