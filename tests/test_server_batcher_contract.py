@@ -8,6 +8,7 @@ thread with events, never by sleeping, so no assertion depends on how fast the m
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -259,3 +260,36 @@ def test_stop_fails_every_queued_request_with_shutting_down():
     assert isinstance(queued, ShuttingDownError), f"the queued request got {queued!r}"
     assert str(queued) == str(hold) == "the server is shutting down; retry elsewhere"
     assert ("waiting", ["y", "z"]) not in log, "a stopped batcher must not run queued items"
+
+
+@pytest.mark.parametrize("ending", ["crashed", "cancelled", "returned"])
+def test_the_loop_ending_by_a_crash_is_logged_critical_with_its_exception_and_only_then(caplog, ending):
+    """A batcher loop that dies (not stopped) leaves every later request waiting and /healthz at 503: the
+    log must say so once, at CRITICAL, with the exception's traceback. stop() (a cancel) and a clean return
+    log nothing."""
+    from prefixcache.server.batcher import _report_crash
+
+    async def body():
+        if ending == "crashed":
+            raise KeyError("lost slot")
+        if ending == "cancelled":
+            await asyncio.sleep(10)
+
+    async def scenario():
+        task = asyncio.get_running_loop().create_task(body())
+        task.add_done_callback(_report_crash)
+        await asyncio.sleep(0)
+        if ending == "cancelled":
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0)  # done callbacks run on the next turn of the loop
+
+    with caplog.at_level(logging.DEBUG, logger="prefixcache.server.batcher"):
+        asyncio.run(scenario())
+    records = [r for r in caplog.records if r.name == "prefixcache.server.batcher"]
+    if ending != "crashed":
+        assert records == []
+        return
+    (record,) = records
+    assert (record.levelno, record.getMessage()) == (logging.CRITICAL, "the micro-batcher stopped")
+    assert record.exc_info[0] is KeyError and str(record.exc_info[1]) == "'lost slot'"

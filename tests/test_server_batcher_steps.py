@@ -232,7 +232,7 @@ def test_stopping_during_a_short_pass_between_steps_fails_its_request_at_once():
 
     done, outcome = asyncio.run(_with_batcher(body))
     assert done, "the short pass's request was left waiting after stop()"
-    assert isinstance(outcome, ShuttingDownError)
+    assert isinstance(outcome, ShuttingDownError) and str(outcome) == "the server is shutting down; retry elsewhere"
 
 
 def test_with_no_short_work_queued_the_steps_never_wait_on_the_event_loop(monkeypatch):
