@@ -138,3 +138,13 @@ def test_an_unknown_label_pass_is_refused_naming_the_choices():
     with pytest.raises(ValueError) as refused:
         LabelHead(HeadModel(False), prompt, "full", "fast")
     assert str(refused.value) == "label_pass must be one of ('trie', 'per-label'), got 'fast'"
+
+
+@pytest.mark.parametrize("method", ["auto", "head:last", "first_token"])
+def test_a_method_the_head_cannot_score_is_refused_naming_the_choices(method):
+    """``auto`` is resolved by the prompt and a fitted head scores on its own: a LabelHead is only ever made for
+    the two ways of scoring the prompt's label tokens, and anything else is a caller's bug, refused at once."""
+    prompt = SimpleNamespace(label_ids=LABEL_IDS, first_token_ids=lambda: FIRST)
+    with pytest.raises(ValueError) as refused:
+        LabelHead(HeadModel(False), prompt, method)
+    assert str(refused.value) == f"method must be one of ('first-token', 'full'), got {method!r}"

@@ -74,8 +74,15 @@ def test_a_head_for_another_prompt_or_labels_is_refused(tiny_llama, head):
 
 
 def test_a_method_beside_a_head_is_refused(tiny_llama, task, head):
-    with pytest.raises(PromptError, match='method="full" scores'):
+    with pytest.raises(PromptError) as refused:
         Classifier(tiny_llama, task, "full", head=head)
+    assert str(refused.value) == ('method="full" scores with the prompt\'s label tokens; a fitted head scores instead: '
+                                  'drop method, or drop the head')
+
+
+@pytest.mark.parametrize("label_pass", ["trie", "per-label"])
+def test_the_classifier_keeps_the_label_pass_asked_for(tiny_llama, task, label_pass):
+    assert Classifier(tiny_llama, task, "full", label_pass=label_pass).head.label_pass == label_pass
 
 
 def test_a_head_with_a_wrong_width_is_refused_before_running(tiny_llama, task, head):

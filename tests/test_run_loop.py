@@ -77,3 +77,20 @@ def test_a_record_cut_to_fit_is_scored_and_marked_truncated(tiny_llama, task):
     assert cut.error is None and cut.label is not None and cut.truncated and cut.warning
     assert whole.label is not None and not whole.truncated
     assert (stats.errors, stats.context_overflows) == (0, 0)
+
+
+def test_full_scoring_keeps_room_in_the_context_for_the_longest_labels_tokens(tiny_llama, task):
+    """Under ``full`` the label tokens but the first follow the record (3 more for 'account' here), so a record
+    that only just fits for first-token scoring must not fit for ``full``: it is refused before any pass."""
+    first, full = Classifier(tiny_llama, task, "first-token"), Classifier(tiny_llama, task, "full")
+    config = RunConfig("batched")
+
+    def refused(classifier, words):
+        (item,) = classifier.prepare([Record("r", {"text": "refund " * words})], config)
+        return item.overflowed
+
+    words = next(n for n in range(1, 1000) if refused(first, n + 1))  # the most that first-token takes
+    (item,) = first.prepare([Record("r", {"text": "refund " * words})], config)
+    assert len(item.rows) + len(first.prompt.prefix_ids) >= 512 - 2, "one word more must be at most 3 tokens"
+    assert refused(full, words)
+    assert not refused(full, words - 4)  # 4 words are at least 4 tokens: room for the 3

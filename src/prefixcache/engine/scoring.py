@@ -23,6 +23,7 @@ from ..types import LabelScores
 from .label_trie import LabelTrie, TriePart
 
 LOGIT_BYTES = 64 * 2**20  # the most full-vocabulary float32 logits held at once
+SCORED_METHODS = ("first-token", "full")  # how the prompt's label tokens are scored (``auto`` resolved before)
 LABEL_PASSES = ("trie", "per-label")  # how ``full`` scoring feeds label tokens: the trie, or the reference
 
 
@@ -35,9 +36,14 @@ class LabelHead:
     ``label_pass`` picks how ``full`` scoring feeds the label tokens after the first: ``"trie"``
     (each trie node once per record) or ``"per-label"`` (one continuation row per record and
     label: the reference the trie is tested and benchmarked against).
+
+    Raises:
+        ValueError: ``method`` is not ``first-token`` or ``full``, or ``label_pass`` is unknown.
     """
 
     def __init__(self, model: torch.nn.Module, prompt: LabelSet, method: str, label_pass: str = "trie"):
+        if method not in SCORED_METHODS:  # ``auto`` is resolved by the prompt, a fitted head's method by the run
+            raise ValueError(f"method must be one of {SCORED_METHODS}, got {method!r}")
         if label_pass not in LABEL_PASSES:
             raise ValueError(f"label_pass must be one of {LABEL_PASSES}, got {label_pass!r}")
         self.prompt = prompt
