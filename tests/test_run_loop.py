@@ -27,6 +27,7 @@ def test_each_forward_pass_is_counted_once_with_its_records(tiny_llama, task, mo
     Classifier(tiny_llama, task).classify_all(records_from_texts(TEXTS), RunConfig(mode, batch), stats=stats)
     assert stats.forward_passes == len(per_batch) and stats.per_batch == per_batch
     assert stats.records == 5 and stats.errors == 0
+    assert stats.seconds > 0, "the run's time is added up, not taken away"
 
 
 @pytest.fixture
