@@ -10,6 +10,8 @@ import pytest
 from prefixcache.cache.kv import PrefixKV
 from prefixcache.run.classify import Classifier, Record, RunConfig, RunStats, records_from_texts
 
+from conftest import tiny_loaded
+
 TEXTS = ["refund please", "my card was charged twice for one order", "hi", "the app crashes on login", "ok"]
 
 
@@ -95,3 +97,19 @@ def test_full_scoring_keeps_room_in_the_context_for_the_longest_labels_tokens(ti
     assert len(item.rows) + len(first.prompt.prefix_ids) >= 512 - 2, "one word more must be at most 3 tokens"
     assert refused(full, words)
     assert not refused(full, words - 4)  # 4 words are at least 4 tokens: room for the 3
+
+
+def test_a_model_whose_config_turns_the_cache_off_still_scores_cached_as_full(task):
+    """Some checkpoints ship ``use_cache: false`` in their config. The passes that continue a fork (the
+    record's tokens, then its label tokens under ``full``) must append to it anyway, or the label tokens
+    would see the prefix without the record."""
+    loaded = tiny_loaded("llama", seed=3)
+    loaded.model.config.use_cache = False
+    classifier = Classifier(loaded, task, "full")
+    records = records_from_texts(TEXTS)
+    cached = classifier.classify_all(records, RunConfig("batched", 4))
+    full = classifier.classify_all(records, RunConfig("full", 1))
+    for c, f in zip(cached, full):
+        assert not c.boundary_fallback
+        assert c.scores.labels == f.scores.labels
+        assert max(abs(a - b) for a, b in zip(c.scores.logprobs, f.scores.logprobs)) < 1e-4, (c.scores, f.scores)
