@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixcache.cache import attention
 from prefixcache.cache.attention import _attend_cpu_flash, _attend_eager
 from prefixcache.engine.rows import empty_prefix, forward_rows, last_hidden_packed, pad_rows
 from prefixcache.cache.kv import PrefixKV
@@ -205,3 +206,21 @@ def test_each_attention_feature_it_cannot_share_is_refused(feature):
         shared_prefix_attention(torch.nn.Module(), q, kv, kv, None, **{feature: 1})
     with pytest.raises(NotImplementedError, match="s_aux, softcap"):  # every one named, sorted
         shared_prefix_attention(torch.nn.Module(), q, kv, kv, None, softcap=30.0, s_aux=torch.zeros(2))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attend_takes_the_fused_kernel_on_the_cpu_and_the_eager_path_agrees_elsewhere(monkeypatch, causal):
+    """On the CPU ``_attend`` runs the fused kernel; where it is missing (other devices) the eager path, with
+    its own causal mask for ``causal``, must give the same output and log-sum-exp."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, n, 16, generator=gen) for n in (6, 6, 6))
+    mask = None if causal else torch.ones(2, 1, 6, 6, dtype=torch.bool).tril(1)
+    fused_calls = []
+    monkeypatch.setattr(attention, "_attend_cpu_flash", lambda *a: fused_calls.append(1) or _attend_cpu_flash(*a))
+    out_f, lse_f = attention._attend(q, k, v, mask, 0.25, causal)
+    assert fused_calls == [1], "the CPU did not take the fused kernel"
+    monkeypatch.setattr(attention, "_has_cpu_flash", lambda q: False)
+    out_e, lse_e = attention._attend(q, k, v, mask, 0.25, causal)
+    assert fused_calls == [1]
+    torch.testing.assert_close(lse_e, lse_f, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_e, out_f, atol=1e-5, rtol=1e-5)

@@ -186,11 +186,16 @@ def _attend(q, k, v, mask, scale, causal: bool = False) -> tuple[torch.Tensor, t
     ``causal``: query ``i`` sees keys ``0..i`` (``mask`` must be None)."""
     if causal:
         mask = None
-    if q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    if _has_cpu_flash(q):
         return _attend_cpu_flash(q, k, v, mask, scale, causal)
     if causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     return _attend_eager(q, k, v, mask, scale)
+
+
+def _has_cpu_flash(q: torch.Tensor) -> bool:
+    """Whether torch's fused CPU attention (which returns the log-sum-exp) serves ``q``'s device."""
+    return q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
 def _attend_cpu_flash(q, k, v, mask, scale, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
