@@ -52,7 +52,6 @@ class PrefixKV:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     @classmethod
-    @torch.inference_mode()
     def build(cls, model: torch.nn.Module, token_ids: list[int] | tuple[int, ...]) -> PrefixKV:
         """Run the prefix through the decoder once and keep its cache.
 
@@ -61,16 +60,17 @@ class PrefixKV:
         Raises:
             PromptError: the prefix is empty or the model uses sliding-window / non-attention layers.
         """
-        if not token_ids:
-            raise PromptError("the prefix is empty: nothing to cache")
-        _require_full_attention(model.config)
-        device = next(model.parameters()).device
-        ids = torch.tensor([list(token_ids)], device=device)  # [1, P]
-        cache = DynamicCache(config=model.config)
-        model.base_model(input_ids=ids, cache=cache, use_cache=True)
-        keys = tuple(layer.keys for layer in cache.layers)  # each [1, kv_heads, P, head_dim]
-        values = tuple(layer.values for layer in cache.layers)
-        return cls(tuple(int(t) for t in token_ids), keys, values)
+        with torch.inference_mode():
+            if not token_ids:
+                raise PromptError("the prefix is empty: nothing to cache")
+            _require_full_attention(model.config)
+            device = next(model.parameters()).device
+            ids = torch.tensor([list(token_ids)], device=device)  # [1, P]
+            cache = DynamicCache(config=model.config)
+            model.base_model(input_ids=ids, cache=cache, use_cache=True)
+            keys = tuple(layer.keys for layer in cache.layers)  # each [1, kv_heads, P, head_dim]
+            values = tuple(layer.values for layer in cache.layers)
+            return cls(tuple(int(t) for t in token_ids), keys, values)
 
     def fork(self, batch_size: int, packing: Packing | None = None) -> ForkedCache:
         """A fresh cache for ``batch_size`` rows that all continue this prefix. The prefix is shared, not copied.
@@ -119,7 +119,6 @@ class PrefixKV:
             tuple(v.clone(memory_format=torch.contiguous_format) for v in self.values),
         )
 
-    @torch.inference_mode()
     def extend(self, model: torch.nn.Module, tail_ids: list[int] | tuple[int, ...]) -> PrefixKV:
         """A new read-only prefix ``self.token_ids + tail_ids``, computing only the tail.
 
@@ -131,20 +130,22 @@ class PrefixKV:
             PromptError: the model uses sliding-window / non-attention layers.
             ValueError: ``tail_ids`` is empty (use :meth:`copy`).
         """
-        if not tail_ids:
-            raise ValueError("extend() needs at least one tail token; use copy()")
-        if self.length == 0:
-            return PrefixKV.build(model, tail_ids)
-        _require_full_attention(model.config)
-        device = self.keys[0].device
-        ids = torch.tensor([list(tail_ids)], device=device)  # [1, T]
-        positions = torch.arange(self.length, self.length + ids.shape[1], device=device)[None, :]  # [1, T]
-        cache = self.fork(1)
-        use_shared_prefix_attention(model)
-        model.base_model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
-        keys = tuple(torch.cat([layer.prefix_keys, layer.keys], dim=-2) for layer in cache.layers)  # [1, kv, P+T, d]
-        values = tuple(torch.cat([layer.prefix_values, layer.values], dim=-2) for layer in cache.layers)
-        return PrefixKV(self.token_ids + tuple(int(t) for t in tail_ids), keys, values)
+        with torch.inference_mode():
+            if not tail_ids:
+                raise ValueError("extend() needs at least one tail token; use copy()")
+            if self.length == 0:
+                return PrefixKV.build(model, tail_ids)
+            _require_full_attention(model.config)
+            device = self.keys[0].device
+            ids = torch.tensor([list(tail_ids)], device=device)  # [1, T]
+            positions = torch.arange(self.length, self.length + ids.shape[1], device=device)[None, :]  # [1, T]
+            cache = self.fork(1)
+            use_shared_prefix_attention(model)
+            model.base_model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+            # each [1, kv_heads, P + T, head_dim]
+            keys = tuple(torch.cat([layer.prefix_keys, layer.keys], dim=-2) for layer in cache.layers)
+            values = tuple(torch.cat([layer.prefix_values, layer.values], dim=-2) for layer in cache.layers)
+            return PrefixKV(self.token_ids + tuple(int(t) for t in tail_ids), keys, values)
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """Named contiguous tensors for serialization: ``token_ids`` [P], ``k.{i}``/``v.{i}`` per layer."""

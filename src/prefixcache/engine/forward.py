@@ -28,7 +28,6 @@ from .scoring import LabelHead
 __all__ = ["score_rows"]
 
 
-@torch.inference_mode()
 def score_rows(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]], head: LabelHead) -> torch.Tensor:
     """Score each row as the continuation of ``prefix``. Returns label-normalized log-probs ``[B, L]``.
 
@@ -39,9 +38,10 @@ def score_rows(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence
     or label by label where the head asks for the reference (``label_pass="per-label"``).
     The prefix is only read. Each call uses its own fork, so concurrent calls are safe.
     """
-    if head.method != "first-token":
-        score = score_whole_labels if head.label_pass == "trie" else score_per_label
-        return score(model, prefix, rows, head)
-    if len({len(r) for r in rows}) > 1:
-        return head.first_token(last_hidden_packed(model, prefix, rows))
-    return head.first_token(run_padded(model, prefix, rows).last)
+    with torch.inference_mode():
+        if head.method != "first-token":
+            score = score_whole_labels if head.label_pass == "trie" else score_per_label
+            return score(model, prefix, rows, head)
+        if len({len(r) for r in rows}) > 1:
+            return head.first_token(last_hidden_packed(model, prefix, rows))
+        return head.first_token(run_padded(model, prefix, rows).last)

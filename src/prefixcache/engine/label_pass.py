@@ -31,7 +31,6 @@ from .scoring import LabelHead
 TOKEN_BUDGET = 4096  # packed tokens (records + fed nodes) per forward pass
 
 
-@torch.inference_mode()
 def score_whole_labels(
     model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]], head: LabelHead, token_budget: int = TOKEN_BUDGET
 ) -> torch.Tensor:
@@ -40,14 +39,16 @@ def score_whole_labels(
     Equal to scoring each label's tokens as a continuation of the row (float32: to rounding).
     ``rows`` continue ``prefix`` (empty for full re-encoding); the prefix is only read.
     """
-    trie = head.trie
-    edge_logprobs = torch.zeros(len(rows), trie.edges)  # [B, E], float32
-    max_fed = max(trie.max_depth - 1, min(token_budget, head.normalizer_rows) - 1)  # a label's path always fits
-    for part in trie.parts(max_fed):
-        for group in _groups([len(r) for r in rows], len(part), token_budget):
-            hidden = _part_hidden(model, prefix, [rows[i] for i in group], part)  # [b, 1 + N, H]
-            edge_logprobs[torch.tensor(group)[:, None], torch.tensor(part.edge_ids)[None, :]] = head.edge_logprobs(hidden, part).cpu()
-    return head.normalize(trie.label_sums(edge_logprobs))
+    with torch.inference_mode():
+        trie = head.trie
+        edge_logprobs = torch.zeros(len(rows), trie.edges)  # [B, E], float32
+        max_fed = max(trie.max_depth - 1, min(token_budget, head.normalizer_rows) - 1)  # a label's path always fits
+        for part in trie.parts(max_fed):
+            for group in _groups([len(r) for r in rows], len(part), token_budget):
+                hidden = _part_hidden(model, prefix, [rows[i] for i in group], part)  # [b, 1 + N, H]
+                cells = torch.tensor(group)[:, None], torch.tensor(part.edge_ids)[None, :]  # [b, 1], [1, E_part]
+                edge_logprobs[cells] = head.edge_logprobs(hidden, part).cpu()
+        return head.normalize(trie.label_sums(edge_logprobs))
 
 
 def _groups(lengths: Sequence[int], fed: int, token_budget: int) -> list[list[int]]:

@@ -112,7 +112,6 @@ def run_padded(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence
     return PaddedPass(cache, torch.cat([past, mask], dim=1), lengths, last)
 
 
-@torch.inference_mode()
 def last_hidden_packed(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]]) -> torch.Tensor:
     """Run ``rows`` after ``prefix`` laid end to end as one sequence (no padding); return each row's
     hidden state at its last token, ``[B, H]``.
@@ -121,10 +120,11 @@ def last_hidden_packed(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[
     prefix), but the linear layers compute only real tokens: with rows of unequal length that is
     the padding's share of the work saved. The fork is used for this one pass.
     """
-    use_shared_prefix_attention(model)
-    device = prefix.keys[0].device
-    packing = Packing.of([len(r) for r in rows], device)
-    ids = torch.tensor([token for row in rows for token in row], dtype=torch.long, device=device)[None]  # [1, N]
-    positions = (prefix.length + packing.offsets)[None]  # [1, N]: each row counts on from the prefix
-    out = model.base_model(input_ids=ids, position_ids=positions, cache=prefix.fork(1, packing), use_cache=True)
-    return out.last_hidden_state[0, packing.last]  # [B, H]
+    with torch.inference_mode():
+        use_shared_prefix_attention(model)
+        device = prefix.keys[0].device
+        packing = Packing.of([len(r) for r in rows], device)
+        ids = torch.tensor([token for row in rows for token in row], dtype=torch.long, device=device)[None]  # [1, N]
+        positions = (prefix.length + packing.offsets)[None]  # [1, N]: each row counts on from the prefix
+        out = model.base_model(input_ids=ids, position_ids=positions, cache=prefix.fork(1, packing), use_cache=True)
+        return out.last_hidden_state[0, packing.last]  # [B, H]

@@ -176,8 +176,8 @@ def records_from_texts(texts: Iterable[str]) -> list[Record]:
     return [Record(i, {"text": t}) for i, t in enumerate(texts)]
 
 
-@torch.inference_mode()
 def warmup(classifier: Classifier) -> None:
     """Build the prefix and run one tiny batch, so timings exclude one-time costs."""
-    record = Record("warmup", {f: "hello" for f in classifier.task.fields})
-    list(classifier.classify([record], RunConfig(Mode.BATCHED, 1)))
+    with torch.inference_mode():
+        record = Record("warmup", {f: "hello" for f in classifier.task.fields})
+        list(classifier.classify([record], RunConfig(Mode.BATCHED, 1)))

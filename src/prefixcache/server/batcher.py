@@ -135,6 +135,14 @@ class MicroBatcher:
         Raises:
             QueueFullError: the room is not there; nothing was reserved.
         """
+        self._reserve(count, client)
+        try:
+            yield
+        finally:
+            self._hold(client, -count)
+
+    def _reserve(self, count: int, client: Hashable | None) -> None:
+        """:meth:`admit`'s check and hold (undecorated, so that it is in reach of mutation testing)."""
         held = self._admitted_by.get(client, 0) if client is not None else 0
         if client is not None and held + count > self._client_share:
             self._refuse(f"this client has {held} items in progress and one client may have at most "
@@ -143,10 +151,6 @@ class MicroBatcher:
             self._refuse(f"{self._admitted} items are in progress and at most {self._max_queue} may be; retry later",
                          self._admitted + count - self._max_queue)
         self._hold(client, count)
-        try:
-            yield
-        finally:
-            self._hold(client, -count)
 
     def _refuse(self, message: str, over: int) -> None:
         self._metrics.queue_rejections.inc()
