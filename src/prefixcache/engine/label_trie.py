@@ -46,7 +46,7 @@ class TriePart:
 
     def sees(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """``[N, N]`` bool: fed node ``i`` attends to fed node ``j`` (``j`` is ``i`` or one of its ancestors)."""
-        sees = torch.eye(len(self.tokens), dtype=torch.bool)
+        sees = torch.eye(len(self.tokens), dtype=torch.bool, device="cpu")  # built on the CPU whatever the default
         for i, parent in enumerate(self.parents):  # parents come first, so their rows are complete
             if parent >= 0:
                 sees[i] |= sees[parent]
