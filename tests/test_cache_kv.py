@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from prefixcache.cache.kv import KVShape, PrefixKV
+from prefixcache.engine.rows import empty_prefix
 from prefixcache.model.load import build_random_model
 
 from conftest import make_tokenizer, tiny_config
@@ -80,3 +81,15 @@ def test_the_cache_geometry_predicts_the_bytes_a_built_prefix_holds(head_dim):
     assert type(shape.head_dim) is int
     built = PrefixKV.build(model, IDS)
     assert shape.nbytes(len(IDS), 4) == built.nbytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_empty_prefix_is_laid_out_like_a_built_one_with_no_tokens(dtype):
+    """Full re-encoding forks ``empty_prefix``; its tensors are concatenated with the rows' keys, so a float32
+    empty prefix would promote a bfloat16 model's keys to float32 (other numbers than the model's own)."""
+    model = build_random_model(tiny_config("qwen2", len(make_tokenizer())), dtype=dtype, seed=0)
+    built, empty = PrefixKV.build(model, IDS), empty_prefix(model)
+    assert empty.token_ids == () and empty.length == 0 and len(empty.keys) == len(empty.values) == len(built.keys)
+    for made, ref in zip((*empty.keys, *empty.values), (*built.keys, *built.values)):
+        assert made.shape == (*ref.shape[:2], 0, ref.shape[3]), made.shape
+        assert (made.dtype, made.device) == (ref.dtype, ref.device) == (dtype, torch.device("cpu"))
