@@ -93,3 +93,22 @@ def test_the_empty_prefix_is_laid_out_like_a_built_one_with_no_tokens(dtype):
     for made, ref in zip((*empty.keys, *empty.values), (*built.keys, *built.values)):
         assert made.shape == (*ref.shape[:2], 0, ref.shape[3]), made.shape
         assert (made.dtype, made.device) == (ref.dtype, ref.device) == (dtype, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("split", range(len(IDS)))
+def test_extending_a_head_recomputes_the_rest_of_the_prefix(tiny_llama, stored, split):
+    """``head(split).extend(rest)`` is the prefix built whole, for every split: from nothing (it builds), from
+    one token, and from all but the last. The prefix extended is left as it was and shares nothing."""
+    start = stored.head(split).copy()
+    before = start.checksum()
+    grown = start.extend(tiny_llama.model, IDS[split:])
+    assert grown.token_ids == IDS and start.checksum() == before
+    for got, ref, old in zip((*grown.keys, *grown.values), (*stored.keys, *stored.values), (*start.keys, *start.values)):
+        assert got.shape == ref.shape and got.data_ptr() != old.data_ptr()
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_extending_by_nothing_is_refused_pointing_at_copy(tiny_llama, stored):
+    with pytest.raises(ValueError) as refused:
+        stored.extend(tiny_llama.model, ())
+    assert str(refused.value) == "extend() needs at least one tail token; use copy()"
