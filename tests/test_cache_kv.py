@@ -112,3 +112,16 @@ def test_extending_by_nothing_is_refused_pointing_at_copy(tiny_llama, stored):
     with pytest.raises(ValueError) as refused:
         stored.extend(tiny_llama.model, ())
     assert str(refused.value) == "extend() needs at least one tail token; use copy()"
+
+
+@pytest.mark.parametrize("length", [0, 7])
+def test_the_tensors_written_to_disk_read_back_as_the_same_prefix(stored, length):
+    """The disk tier's round trip: ``from_tensors(to_tensors())`` keeps every layer and the token ids, which are
+    int64 even for an empty prefix (``torch.tensor(())`` alone would be float32)."""
+    prefix = stored.head(length)
+    tensors = prefix.to_tensors()
+    assert tensors["token_ids"].dtype == torch.int64 and tensors["token_ids"].tolist() == list(prefix.token_ids)
+    back = PrefixKV.from_tensors(tensors)
+    assert back.token_ids == prefix.token_ids and len(back.keys) == len(back.values) == len(stored.keys)
+    for got, ref in zip((*back.keys, *back.values), (*prefix.keys, *prefix.values)):
+        assert torch.equal(got, ref) and got.is_contiguous()

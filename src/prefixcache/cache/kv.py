@@ -148,7 +148,7 @@ class PrefixKV:
             return PrefixKV(self.token_ids + tuple(int(t) for t in tail_ids), keys, values)
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        """Named contiguous tensors for serialization: ``token_ids`` [P], ``k.{i}``/``v.{i}`` per layer."""
+        """Named contiguous tensors for serialization: ``token_ids`` [P] int64, ``k.{i}``/``v.{i}`` per layer."""
         out = {"token_ids": torch.tensor(self.token_ids, dtype=torch.int64)}
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             out[f"k.{i}"], out[f"v.{i}"] = k.contiguous(), v.contiguous()
