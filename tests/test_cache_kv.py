@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prefixcache.cache.attention import Packing
 from prefixcache.cache.kv import KVShape, PrefixKV
 from prefixcache.engine.rows import empty_prefix
 from prefixcache.model.load import build_random_model
@@ -125,3 +126,18 @@ def test_the_tensors_written_to_disk_read_back_as_the_same_prefix(stored, length
     assert back.token_ids == prefix.token_ids and len(back.keys) == len(back.values) == len(stored.keys)
     for got, ref in zip((*back.keys, *back.values), (*prefix.keys, *prefix.values)):
         assert torch.equal(got, ref) and got.is_contiguous()
+
+
+def test_a_fork_refuses_rows_it_was_not_made_for_and_a_packed_fork_a_second_pass(stored):
+    """The fork's guards, whole: a batch of another size (``fork(2)`` fed 3 rows), and a packed fork fed twice
+    (its rows' own keys would be laid end to end with the first pass's)."""
+    layer = stored.fork(2).layers[0]
+    own = torch.zeros(3, *stored.keys[0].shape[1:2], 1, stored.keys[0].shape[-1])  # [3, kv_heads, 1, head_dim]
+    with pytest.raises(ValueError) as refused:
+        layer.update(own, own)
+    assert str(refused.value) == "fork was made for batch 2, got 3 rows"
+    packed = stored.fork(1, Packing.of([1], "cpu")).layers[0]
+    packed.update(own[:1], own[:1])
+    with pytest.raises(ValueError) as refused:
+        packed.update(own[:1], own[:1])
+    assert str(refused.value) == "a packed fork serves one forward pass; fork again for another"
