@@ -166,6 +166,9 @@ def test_shared_prefix_attention_without_a_mask_is_causal_from_the_last_query():
     out, _ = shared_prefix_attention(torch.nn.Module(), q, SharedKV(prefix_k, own_k), SharedKV(prefix_v, own_v), None)
     want = _reference_attention(q, prefix_k, prefix_v, own_k, own_v, own_visible, d**-0.5)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    with torch.device("meta"):  # the causal mask it makes is on the queries' device (see test_device_placement.py)
+        again, _ = shared_prefix_attention(torch.nn.Module(), q, SharedKV(prefix_k, own_k), SharedKV(prefix_v, own_v), None)
+    assert torch.equal(again, out)
 
 
 @pytest.mark.parametrize("scaling", [None, 0.3], ids=["default-scale", "model-scale"])
