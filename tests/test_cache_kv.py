@@ -7,12 +7,15 @@ end, but they are slow and out of the mutation run.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from prefixcache.cache.attention import Packing
 from prefixcache.cache.kv import KVShape, PrefixKV
 from prefixcache.engine.rows import empty_prefix
+from prefixcache.errors import PromptError
 from prefixcache.model.load import build_random_model
 
 from conftest import make_tokenizer, tiny_config
@@ -141,3 +144,31 @@ def test_a_fork_refuses_rows_it_was_not_made_for_and_a_packed_fork_a_second_pass
     with pytest.raises(ValueError) as refused:
         packed.update(own[:1], own[:1])
     assert str(refused.value) == "a packed fork serves one forward pass; fork again for another"
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"use_sliding_window": True}, "['sliding_attention']"),  # set after the layer types: only the flag says so
+        ({"layer_types": ["full_attention", "linear_attention"]}, "['linear_attention']"),
+        ({"layer_types": ["sliding_attention", "linear_attention"]}, "['linear_attention', 'sliding_attention']"),
+    ],
+)
+def test_a_model_with_layers_that_are_not_full_attention_is_refused_naming_them(stored, settings, named):
+    """A sliding-window or linear-attention layer cannot read a shared prefix by reference: building,
+    and extending, a prefix for such a model is refused, naming the model type and the odd layer types."""
+    config = tiny_config("qwen2", 400)
+    for name, value in settings.items():
+        setattr(config, name, value)
+    model = SimpleNamespace(config=config)
+    message = f"model type 'qwen2' uses layer types {named}; prefix sharing supports full-attention decoders only"
+    for attempt in (lambda: PrefixKV.build(model, IDS), lambda: stored.extend(model, IDS[:1])):
+        with pytest.raises(PromptError) as refused:
+            attempt()
+        assert str(refused.value) == message
+
+
+def test_an_empty_prefix_is_refused_before_the_model_runs():
+    with pytest.raises(PromptError) as refused:
+        PrefixKV.build(SimpleNamespace(), ())
+    assert str(refused.value) == "the prefix is empty: nothing to cache"
