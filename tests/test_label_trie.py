@@ -221,3 +221,21 @@ def test_edge_logprobs_hold_whole_rows_of_logits_up_to_the_normalizer_and_at_lea
     assert head.normalizer_rows == positions
     torch.testing.assert_close(head.edge_logprobs(hidden, part), whole, atol=ATOL, rtol=RTOL)  # matmul blocking may differ by chunk
     assert chunks == [2, 2, 2, 1] if rows_at_once == 2 else chunks == [1] * 7
+
+
+def test_each_part_is_as_large_as_the_budget_allows_and_never_smaller_than_a_path(monkeypatch):
+    """A pass holds one row token and the fed nodes, so a part takes ``min(token budget, normalizer rows) - 1``
+    nodes, but never fewer than the deepest label's path (``max_depth - 1`` fed nodes). Too small a part costs
+    passes, too large one memory: the answers are the same either way, so only the parts fed can tell."""
+    model = _model("llama", 1, 2, 0)
+    head = _head(model, LABELS)
+    whole, path = len(head.trie.whole), head.trie.max_depth - 1  # 6 fed nodes; the longest path feeds 4
+    stored = PrefixKV.build(model, list(range(10, 20)))
+    fed: list[int] = []
+    real = label_pass._part_hidden
+    monkeypatch.setattr(label_pass, "_part_hidden", lambda m, p, rows, part: fed.append(len(part)) or real(m, p, rows, part))
+    for budget, max_fed in [(1, path), (path + 1, path), (whole, whole - 1), (whole + 1, whole)]:
+        fed.clear()
+        label_pass.score_whole_labels(model, stored, [[5, 6, 7]], head, token_budget=budget)
+        assert fed == [len(part) for part in head.trie.parts(max_fed)], (budget, fed)
+    assert fed == [whole]
