@@ -60,10 +60,10 @@ class PrefixKV:
         Raises:
             PromptError: the prefix is empty or the model uses sliding-window / non-attention layers.
         """
+        if not token_ids:
+            raise PromptError("the prefix is empty: nothing to cache")
+        _require_full_attention(model.config)
         with torch.inference_mode():
-            if not token_ids:
-                raise PromptError("the prefix is empty: nothing to cache")
-            _require_full_attention(model.config)
             device = next(model.parameters()).device
             ids = torch.tensor([list(token_ids)], device=device)  # [1, P]
             cache = DynamicCache(config=model.config)
@@ -130,12 +130,12 @@ class PrefixKV:
             PromptError: the model uses sliding-window / non-attention layers.
             ValueError: ``tail_ids`` is empty (use :meth:`copy`).
         """
+        if not tail_ids:
+            raise ValueError("extend() needs at least one tail token; use copy()")
+        if self.length == 0:
+            return PrefixKV.build(model, tail_ids)
+        _require_full_attention(model.config)
         with torch.inference_mode():
-            if not tail_ids:
-                raise ValueError("extend() needs at least one tail token; use copy()")
-            if self.length == 0:
-                return PrefixKV.build(model, tail_ids)
-            _require_full_attention(model.config)
             device = self.keys[0].device
             ids = torch.tensor([list(tail_ids)], device=device)  # [1, T]
             positions = torch.arange(self.length, self.length + ids.shape[1], device=device)[None, :]  # [1, T]

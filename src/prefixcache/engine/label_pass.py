@@ -44,10 +44,11 @@ def score_whole_labels(
         edge_logprobs = torch.zeros(len(rows), trie.edges, device="cpu")  # [B, E], float32, gathered on the CPU
         max_fed = max(trie.max_depth - 1, min(token_budget, head.normalizer_rows) - 1)  # a label's path always fits
         for part in trie.parts(max_fed):
+            columns = torch.tensor(part.edge_ids, device="cpu")[None, :]  # [1, E_part]: the part's edges, once
             for group in _groups([len(r) for r in rows], len(part), token_budget):
                 hidden = _part_hidden(model, prefix, [rows[i] for i in group], part)  # [b, 1 + N, H]
-                cells = torch.tensor(group, device="cpu")[:, None], torch.tensor(part.edge_ids, device="cpu")[None, :]
-                edge_logprobs[cells] = head.edge_logprobs(hidden, part).cpu()
+                at_rows = torch.tensor(group, device="cpu")[:, None]  # [b, 1]
+                edge_logprobs[at_rows, columns] = head.edge_logprobs(hidden, part).cpu()
         return head.normalize(trie.label_sums(edge_logprobs))
 
 
