@@ -108,6 +108,18 @@ def test_attention_features_it_cannot_share_are_refused():
         shared_prefix_attention(torch.nn.Module(), q, kv, kv, None, softcap=30.0)
 
 
+def test_a_mask_that_is_not_boolean_is_refused_naming_the_format_it_expects():
+    """An additive float mask (the eager format) would be read as True/False by mistake: it is refused."""
+    from prefixcache.cache.attention import SharedKV, shared_prefix_attention
+
+    q = torch.zeros(1, 2, 1, 4)
+    kv = SharedKV(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 1, 4))
+    additive = torch.zeros(1, 1, 1, 4)  # [B, 1, T, P + S], 0.0 = attend
+    with pytest.raises(TypeError) as raised:
+        shared_prefix_attention(torch.nn.Module(), q, kv, kv, additive)
+    assert str(raised.value) == "prefixcache attention expects a boolean mask (sdpa format)"
+
+
 def _reference_attention(q, prefix_k, prefix_v, own_k, own_v, own_visible, scale):
     """Plain softmax attention over [prefix ; own] keys, kv heads repeated per query head, in float64.
     q: [B, H, T, d]; prefix_*: [1, kv, P, d]; own_*: [B, kv, S, d]; own_visible: [B, T, S] bool.
