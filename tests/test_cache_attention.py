@@ -183,6 +183,25 @@ def test_shared_prefix_attention_without_a_mask_is_causal_from_the_last_query():
     assert torch.equal(again, out)
 
 
+def test_plain_keys_go_to_transformers_sdpa_with_the_models_mask_and_scale():
+    """Plain key/value tensors (building a prefix, a full re-encode) are not shared: the call is transformers'
+    own SDPA attention, with the model's mask and its ``scaling`` passed through."""
+    from prefixcache.cache.attention import shared_prefix_attention
+
+    b, h, kv, _, d = (SHAPES[k] for k in ("batch", "heads", "kv_heads", "prefix", "head_dim"))
+    width = 4
+    q, _, _, own_k, own_v = _qkv(torch.Generator().manual_seed(7), b, h, kv, width, width, 0, d)
+    lengths = torch.tensor([4, 2, 3])
+    own_visible = torch.ones(width, width, dtype=torch.bool).tril()[None] & (torch.arange(width) < lengths[:, None])[:, None]
+    module = torch.nn.Module()
+    module.num_key_value_groups = h // kv
+    out, weights = shared_prefix_attention(module, q, own_k, own_v, own_visible[:, None], scaling=0.3)
+    empty = torch.zeros(1, kv, 0, d)
+    want = _reference_attention(q, empty, empty, own_k, own_v, own_visible, 0.3)
+    assert weights is None and out.shape == (b, width, h, d)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("scaling", [None, 0.3], ids=["default-scale", "model-scale"])
 def test_packed_shared_prefix_attention_equals_each_rows_own_attention(scaling):
     """Rows laid end to end (one sequence of N tokens): each row sees the whole prefix and its own
