@@ -259,3 +259,10 @@ def test_attend_takes_the_fused_kernel_on_the_cpu_and_the_eager_path_agrees_else
     assert fused_calls == [1]
     torch.testing.assert_close(lse_e, lse_f, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out_e, out_f, atol=1e-5, rtol=1e-5)
+
+
+def test_the_fused_cpu_kernel_is_taken_for_cpu_tensors_only():
+    """The fused kernel exists in every torch build, so the device must decide: tensors elsewhere take the
+    eager path (a ``meta`` tensor stands in for an accelerator's)."""
+    assert attention._has_cpu_flash(torch.zeros(1, 1, 1, 4))
+    assert not attention._has_cpu_flash(torch.zeros(1, 1, 1, 4, device="meta"))
