@@ -200,6 +200,14 @@ def test_plain_keys_go_to_transformers_sdpa_with_the_models_mask_and_scale():
     want = _reference_attention(q, empty, empty, own_k, own_v, own_visible, 0.3)
     assert weights is None and out.shape == (b, width, h, d)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    # The rest of the model's arguments reach it too: its dropout (1.0 drops every weight) and ``is_causal``
+    # (False with no mask: every query sees every key).
+    dropped, _ = shared_prefix_attention(module, q, own_k, own_v, own_visible[:, None], scaling=0.3, dropout=1.0)
+    assert not dropped.any()
+    bidirectional, _ = shared_prefix_attention(module, q, own_k, own_v, None, scaling=0.3, is_causal=False)
+    everything = torch.ones(b, width, width, dtype=torch.bool)
+    want = _reference_attention(q, empty, empty, own_k, own_v, everything, 0.3)
+    torch.testing.assert_close(bidirectional.double(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("scaling", [None, 0.3], ids=["default-scale", "model-scale"])
