@@ -144,10 +144,14 @@ def _qkv(gen, batch, heads, kv_heads, width, own, prefix, head_dim):
     return q, prefix_k, prefix_v, own_k, own_v
 
 
+@pytest.mark.parametrize("kernel", ["fused", "eager"])
 @pytest.mark.parametrize("scaling", [None, 0.3], ids=["default-scale", "model-scale"])
-def test_shared_prefix_attention_equals_attention_over_the_concatenated_keys(scaling):
+def test_shared_prefix_attention_equals_attention_over_the_concatenated_keys(monkeypatch, scaling, kernel):
     """Padded rows with the model's boolean mask, grouped-query heads (groups != kv heads), and the
-    model's own ``scaling`` (or the default ``head_dim ** -0.5`` when it passes none)."""
+    model's own ``scaling`` (or the default ``head_dim ** -0.5`` when it passes none); on the CPU's fused
+    kernel and on the eager path other devices take."""
+    if kernel == "eager":
+        monkeypatch.setattr(attention, "_has_cpu_flash", lambda q: False)
     from prefixcache.cache.attention import SharedKV, shared_prefix_attention
 
     b, h, kv, p, d = (SHAPES[k] for k in ("batch", "heads", "kv_heads", "prefix", "head_dim"))
