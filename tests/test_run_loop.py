@@ -113,3 +113,52 @@ def test_a_model_whose_config_turns_the_cache_off_still_scores_cached_as_full(ta
         assert not c.boundary_fallback
         assert c.scores.labels == f.scores.labels
         assert max(abs(a - b) for a, b in zip(c.scores.logprobs, f.scores.logprobs)) < 1e-4, (c.scores, f.scores)
+
+
+@pytest.mark.parametrize("mode", ["full", "cached"])
+def test_the_prefix_build_time_is_reported_by_the_modes_that_use_the_prefix(tiny_llama, task, mode):
+    stats = RunStats()
+    classifier = Classifier(tiny_llama, task)
+    classifier.classify_all(records_from_texts(TEXTS[:2]), RunConfig(mode), stats=stats)
+    if mode == "full":
+        assert stats.prefix_seconds == 0.0 and classifier.prefix_seconds == 0.0
+    else:
+        assert stats.prefix_seconds == classifier.prefix_seconds > 0
+
+
+def test_records_are_read_one_window_at_a_time(tiny_llama, task):
+    """The input is pulled a window at a time, so a million-row file is never held whole."""
+    pulled: list[int] = []
+
+    def source():
+        for i, record in enumerate(records_from_texts(TEXTS)):
+            pulled.append(i)
+            yield record
+
+    predictions = Classifier(tiny_llama, task).classify(source(), RunConfig("batched", 2, window=2))
+    next(predictions)
+    assert pulled == [0, 1]
+    assert len(list(predictions)) == 4 and pulled == [0, 1, 2, 3, 4]
+
+
+def test_the_run_time_adds_every_windows_time(tiny_llama, task, monkeypatch):
+    """On a clock that ticks once per reading, each window spans one tick: three windows, three ticks."""
+    import itertools
+    import types
+
+    from prefixcache.run import loop
+
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=itertools.count().__next__))
+    stats = RunStats()
+    Classifier(tiny_llama, task).classify_all(records_from_texts(TEXTS), RunConfig("batched", 2, window=2), stats=stats)
+    assert stats.seconds == 3
+
+
+def test_batches_of_two_or_more_are_planned_shortest_first(tiny_llama, task):
+    """Sorting by length cuts the padding of each padded pass: the rows of each batch are of like length."""
+    classifier = Classifier(tiny_llama, task)
+    texts = ["a b c d e f g h i j k l", "hi", "a b c d e f", "ok", "a b c"]
+    items = classifier.prepare(records_from_texts(texts), RunConfig("batched"))
+    lengths = [[len(it.rows) for it in batch] for _, batch in classifier.plan(items, 2, classifier.prefix)]
+    flat = [n for batch in lengths for n in batch]
+    assert flat == sorted(flat) and [len(b) for b in lengths] == [2, 2, 1]
