@@ -71,6 +71,20 @@ CROSSING = {"cross": "word reset mail never arrives", "cross-short": "words"}
 PLAIN = {"plain": " reset mail never arrives", "plain-digits": "1234 failed twice"}
 
 
+def test_records_in_full_keep_their_flags_and_fallbacks_add_up_over_windows(tiny_llama):
+    """A record cut to fit keeps its ``truncated`` flag whichever way it is fed in full (a full-mode run, a
+    boundary fallback), and the fallbacks of one-record windows add up."""
+    classifier = Classifier(tiny_llama, _task(**{'"Ticket: {text}"': '"Ticket: pass{text}"'}))
+    long_crossing = Record("cut", {"text": "word " + "refund " * 600})  # past the tiny models' 512-token context
+    for mode in ("full", "cached"):
+        (cut,) = classifier.classify_all([long_crossing], RunConfig(mode, overflow="truncate"))
+        assert cut.truncated and cut.warning and cut.boundary_fallback == (mode == "cached"), mode
+    stats = RunStats()
+    records = [Record(key, {"text": text}) for key, text in {**CROSSING, **PLAIN}.items()]
+    classifier.classify_all(records, RunConfig("cached", window=1), stats=stats)
+    assert stats.boundary_fallbacks == len(CROSSING)
+
+
 @pytest.mark.parametrize("method", ["first-token", "full"])
 def test_record_crossing_the_boundary_naturally_falls_back_and_equals_full(tiny_llama, method):
     task = _task(**{'"Ticket: {text}"': '"Ticket: pass{text}"'})
