@@ -55,6 +55,7 @@ def test_trie_feeds_each_inner_node_once_and_sums_each_labels_path():
     sees = whole.sees()
     assert sees[1].tolist() == [True, True, False, False, False, False]  # (1 2) sees (1) and itself only
     assert sees[5].tolist() == [False, False, True, True, True, True]
+    assert whole.sees("meta").device.type == "meta"  # built on the CPU, handed over on the device asked for
     sums = trie.label_sums(torch.arange(10, dtype=torch.float32)[None])  # edge e has log-prob e
     assert sums[0].tolist() == [sum(trie.paths[i]) for i in range(len(LABELS))]
 
