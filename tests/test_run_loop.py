@@ -162,3 +162,12 @@ def test_batches_of_two_or_more_are_planned_shortest_first(tiny_llama, task):
     lengths = [[len(it.rows) for it in batch] for _, batch in classifier.plan(items, 2, classifier.prefix)]
     flat = [n for batch in lengths for n in batch]
     assert flat == sorted(flat) and [len(b) for b in lengths] == [2, 2, 1]
+
+
+def test_a_row_the_reader_marked_bad_is_answered_with_its_error_and_the_rows_after_it_still_run(tiny_llama, task):
+    broken = Record("line 2", {}, error="line 2: not valid JSON")
+    records = [Record("line 1", {"text": TEXTS[0]}), broken, *(Record(f"line {i}", {"text": TEXTS[i]}) for i in (3, 4))]
+    predictions = Classifier(tiny_llama, task).classify_all(records, RunConfig("batched", 2))
+    assert [p.id for p in predictions] == ["line 1", "line 2", "line 3", "line 4"]
+    assert predictions[1].error == "line 2: not valid JSON" and predictions[1].label is None
+    assert all(p.error is None and p.label is not None for p in (predictions[0], *predictions[2:]))
