@@ -119,7 +119,9 @@ def test_a_model_whose_config_turns_the_cache_off_still_scores_cached_as_full(ta
 def test_the_prefix_build_time_is_reported_by_the_modes_that_use_the_prefix(tiny_llama, task, mode):
     stats = RunStats()
     classifier = Classifier(tiny_llama, task)
+    assert classifier.last_lookup is None  # no pool: Ray's summary reads None as "built here"
     classifier.classify_all(records_from_texts(TEXTS[:2]), RunConfig(mode), stats=stats)
+    assert classifier.last_lookup is None
     if mode == "full":
         assert stats.prefix_seconds == 0.0 and classifier.prefix_seconds == 0.0
     else:

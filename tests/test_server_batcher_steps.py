@@ -254,3 +254,21 @@ def test_with_no_short_work_queued_the_steps_never_wait_on_the_event_loop(monkey
 
     assert asyncio.run(_with_batcher(body)) == ["decoded ticket"]
     assert handoffs == [], f"{len(handoffs)} of {STEPS} steps handed off to the loop with nothing queued"
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")  # the stalled loop never runs it
+def test_a_step_gives_up_on_a_loop_that_does_not_hand_over_short_work(monkeypatch):
+    """Between two steps the model thread asks the event loop for queued short work; a loop that never
+    answers (stopping, or stalled) must cost one bounded wait, after which decoding goes on."""
+    import prefixcache.server.batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "_HANDOFF_S", 0.1)
+    with ThreadPoolExecutor(1) as model_thread:
+        batcher = MicroBatcher(model_thread, ServerSettings(max_batch=8, max_wait_ms=5, arrival_gap_ms=1), Metrics())
+    batcher._short_queued = 1  # the loop's count says short work waits
+    stalled = asyncio.new_event_loop()  # never run: the hand-off is never answered
+    step = threading.Thread(target=batcher._interleave, args=(stalled,), daemon=True)
+    step.start()
+    step.join(timeout=30)  # 0.1 s expected; 30 s leaves any machine room
+    assert not step.is_alive(), "the model thread waits on the loop with no limit"
+    stalled.close()
