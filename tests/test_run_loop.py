@@ -5,9 +5,13 @@ when an item runs after it. What each record's scores are is guarded by test_run
 
 from __future__ import annotations
 
+import itertools
+import types
+
 import pytest
 
 from prefixcache.cache.kv import PrefixKV
+from prefixcache.run import loop
 from prefixcache.run.classify import Classifier, Record, RunConfig, RunStats, records_from_texts
 
 from conftest import tiny_loaded
@@ -145,11 +149,6 @@ def test_records_are_read_one_window_at_a_time(tiny_llama, task):
 
 def test_the_run_time_adds_every_windows_time(tiny_llama, task, monkeypatch):
     """On a clock that ticks once per reading, each window spans one tick: three windows, three ticks."""
-    import itertools
-    import types
-
-    from prefixcache.run import loop
-
     monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=itertools.count().__next__))
     stats = RunStats()
     Classifier(tiny_llama, task).classify_all(records_from_texts(TEXTS), RunConfig("batched", 2, window=2), stats=stats)

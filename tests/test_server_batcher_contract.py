@@ -298,10 +298,10 @@ def test_the_loop_ending_by_a_crash_is_logged_critical_with_its_exception_and_on
 def test_a_client_over_its_share_is_told_to_retry_after_its_excess_is_likely_answered():
     """Retry-After for a client's refusal counts only that client's excess over its share, at the recent rate."""
     settings = ServerSettings(max_batch=8, max_items=4, max_queue=100, max_queue_per_client=4)
+    metrics = Metrics()
+    metrics.items_per_second = lambda: 0.5  # the recent rate, pinned
     with ThreadPoolExecutor(1) as model_thread:
-        batcher = MicroBatcher(model_thread, settings, Metrics())
-    ignored = SimpleNamespace(inc=lambda: None, set=lambda n: None)
-    batcher._metrics = SimpleNamespace(items_per_second=lambda: 0.5, queue_rejections=ignored, in_progress=ignored)
+        batcher = MicroBatcher(model_thread, settings, metrics)
     batcher._reserve(3, "alice")
     with pytest.raises(QueueFullError, match="this client has 3 items in progress") as refused:
         batcher._reserve(3, "alice")  # 2 over the share of 4: answered in ~4 s at half an item a second

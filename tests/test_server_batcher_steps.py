@@ -24,6 +24,7 @@ from prefixcache.server.settings import ServerSettings
 
 STEPS = 40
 STEP_S = 0.05
+SETTINGS = ServerSettings(max_batch=8, max_wait_ms=5, arrival_gap_ms=1)
 
 
 class DecodingRunner:
@@ -77,7 +78,7 @@ def scenario(short_payloads):
 
     async def main():
         with ThreadPoolExecutor(1) as model_thread:
-            batcher = MicroBatcher(model_thread, ServerSettings(max_batch=8, max_wait_ms=5, arrival_gap_ms=1), Metrics())
+            batcher = MicroBatcher(model_thread, SETTINGS, Metrics())
             batcher.start()
             try:
                 async def submit(runner, payload):
@@ -99,7 +100,7 @@ def scenario(short_payloads):
 async def _with_batcher(body):
     """Run ``body(batcher, submit)`` against a started batcher on its own model thread; stop it after."""
     with ThreadPoolExecutor(1) as model_thread:
-        batcher = MicroBatcher(model_thread, ServerSettings(max_batch=8, max_wait_ms=5, arrival_gap_ms=1), Metrics())
+        batcher = MicroBatcher(model_thread, SETTINGS, Metrics())
         batcher.start()
 
         async def submit(runner, payload):
@@ -264,11 +265,11 @@ def test_a_step_gives_up_on_a_loop_that_does_not_hand_over_short_work(monkeypatc
 
     monkeypatch.setattr(batcher_module, "_HANDOFF_S", 0.1)
     with ThreadPoolExecutor(1) as model_thread:
-        batcher = MicroBatcher(model_thread, ServerSettings(max_batch=8, max_wait_ms=5, arrival_gap_ms=1), Metrics())
+        batcher = MicroBatcher(model_thread, SETTINGS, Metrics())
     batcher._short_queued = 1  # the loop's count says short work waits
     stalled = asyncio.new_event_loop()  # never run: the hand-off is never answered
     step = threading.Thread(target=batcher._interleave, args=(stalled,), daemon=True)
     step.start()
     step.join(timeout=30)  # 0.1 s expected; 30 s leaves any machine room
-    assert not step.is_alive(), "the model thread waits on the loop with no limit"
     stalled.close()
+    assert not step.is_alive(), "the model thread waits on the loop with no limit"

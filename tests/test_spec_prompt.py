@@ -71,10 +71,15 @@ CROSSING = {"cross": "word reset mail never arrives", "cross-short": "words"}
 PLAIN = {"plain": " reset mail never arrives", "plain-digits": "1234 failed twice"}
 
 
+def _mid_word_task():
+    """The task whose prefix ends in "Ticket: pass", mid-word for the records of ``CROSSING``."""
+    return _task(**{'"Ticket: {text}"': '"Ticket: pass{text}"'})
+
+
 def test_records_in_full_keep_their_flags_and_fallbacks_add_up_over_windows(tiny_llama):
     """A record cut to fit keeps its ``truncated`` flag whichever way it is fed in full (a full-mode run, a
     boundary fallback), and the fallbacks of one-record windows add up."""
-    classifier = Classifier(tiny_llama, _task(**{'"Ticket: {text}"': '"Ticket: pass{text}"'}))
+    classifier = Classifier(tiny_llama, _mid_word_task())
     long_crossing = Record("cut", {"text": "word " + "refund " * 600})  # past the tiny models' 512-token context
     for mode in ("full", "cached"):
         (cut,) = classifier.classify_all([long_crossing], RunConfig(mode, overflow="truncate"))
@@ -87,8 +92,7 @@ def test_records_in_full_keep_their_flags_and_fallbacks_add_up_over_windows(tiny
 
 @pytest.mark.parametrize("method", ["first-token", "full"])
 def test_record_crossing_the_boundary_naturally_falls_back_and_equals_full(tiny_llama, method):
-    task = _task(**{'"Ticket: {text}"': '"Ticket: pass{text}"'})
-    classifier = Classifier(tiny_llama, task, method)
+    classifier = Classifier(tiny_llama, _mid_word_task(), method)
     prompt, encode = classifier.prompt, token_encoder(tiny_llama.tokenizer)
     n = len(prompt.prefix_ids)
     for text in CROSSING.values():
