@@ -201,7 +201,7 @@ def test_pass_metrics_count_items_and_prefix_hits():
 # --- failures and shutdown --------------------------------------------------------------------------
 
 
-def test_a_runner_exception_reaches_every_request_in_the_pass_and_the_loop_goes_on():
+def test_a_runner_exception_reaches_every_request_in_the_pass_and_the_loop_goes_on(caplog):
     boom = RuntimeError("forward pass failed")
     failing = FailingRunner(exc=boom)
     settings = ServerSettings(max_batch=8, max_wait_ms=5000, arrival_gap_ms=100)
@@ -216,9 +216,12 @@ def test_a_runner_exception_reaches_every_request_in_the_pass_and_the_loop_goes_
         again = await batcher.submit(failing, [item(4)])
         return outcomes, again
 
-    outcomes, again = run_with(settings, scenario)
+    with caplog.at_level(logging.ERROR, logger="prefixcache.server.batcher"):
+        outcomes, again = run_with(settings, scenario)
     assert outcomes == [boom, boom]
     assert again == ["ok"]
+    logged = [(r.getMessage(), r.exc_info[1]) for r in caplog.records if r.levelno == logging.ERROR]
+    assert logged == [("forward pass of 3 items for task 'failing' failed", boom)], "the log names the pass and its error"
 
 
 def test_a_runner_returning_the_wrong_number_of_results_fails_the_requests():

@@ -10,8 +10,10 @@ The waits are seconds against steps of tens of milliseconds, so a slow machine c
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -273,3 +275,37 @@ def test_a_step_gives_up_on_a_loop_that_does_not_hand_over_short_work(monkeypatc
     step.join(timeout=30)  # 0.1 s expected; 30 s leaves any machine room
     stalled.close()
     assert not step.is_alive(), "the model thread waits on the loop with no limit"
+
+
+class Payload:
+    """An item that can be watched by a weak reference (SimpleNamespace cannot)."""
+
+    full = False
+
+    def __init__(self, record):
+        self.record = record
+
+
+def test_a_short_pass_between_steps_is_let_go_once_it_is_answered():
+    """The batcher remembers the short pass running between steps (so that ``stop()`` can fail it) only
+    while it runs: once answered, its requests' items are free, though the decoding pass goes on."""
+    decoding, short = DecodingRunner(), ShortRunner()
+
+    async def body(batcher, submit):
+        long_request = asyncio.ensure_future(submit(decoding, "ticket"))
+        await _until(decoding.started)
+        payload = Payload("a")
+        watched = weakref.ref(payload)
+        with batcher.admit(1):
+            answer = await batcher.submit(short, [payload])
+        del payload
+        gc.collect()
+        still_decoding = decoding.ended_at == 0.0
+        kept = watched() is not None
+        await long_request
+        return answer, still_decoding, kept
+
+    answer, still_decoding, kept = asyncio.run(_with_batcher(body))
+    assert answer == ["scored a"]
+    assert still_decoding, "the short request was not answered between steps, so this checks nothing"
+    assert not kept, "an answered short pass's items are still held by the batcher while decoding goes on"
