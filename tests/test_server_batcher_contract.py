@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -192,10 +193,18 @@ def test_pass_metrics_count_items_and_prefix_hits():
         with batcher.admit(3):
             return await batcher.submit(runner, [item(1), item(2, full=True), item(3)])
 
+    began = time.monotonic()
     assert run_with(settings, scenario, metrics) == [1, 2, 3]
+    elapsed = time.monotonic() - began
     assert metrics.items.labels("failing", "classify")._value.get() == 3
     assert metrics.prefix_hits.labels("failing")._value.get() == 2
     assert metrics.prefix_misses.labels("failing")._value.get() == 1
+    sample = metrics.registry.get_sample_value
+    # durations are bounded by the run's own wall time (a logical bound, not a speed claim)
+    assert sample("prefixcache_batch_seconds_count", {"task": "failing"}) == 1
+    assert 0 <= sample("prefixcache_batch_seconds_sum", {"task": "failing"}) <= elapsed
+    assert sample("prefixcache_queue_wait_seconds_count") == 3
+    assert 0 <= sample("prefixcache_queue_wait_seconds_sum") <= 3 * elapsed
 
 
 # --- failures and shutdown --------------------------------------------------------------------------

@@ -238,8 +238,11 @@ def test_stopping_during_a_short_pass_between_steps_fails_its_request_at_once():
     assert isinstance(outcome, ShuttingDownError) and str(outcome) == "the server is shutting down; retry elsewhere"
 
 
-def test_with_no_short_work_queued_the_steps_never_wait_on_the_event_loop(monkeypatch):
-    """Each hand-off makes a decoding step wait for the event loop (up to 5 s when it is busy): none without short work."""
+@pytest.mark.parametrize("answered_before", [[], ["a"], ["a", "b"]], ids=["fresh", "after-one", "after-two"])
+def test_with_no_short_work_queued_the_steps_never_wait_on_the_event_loop(monkeypatch, answered_before):
+    """Each hand-off makes a decoding step wait for the event loop (up to 5 s when it is busy): none without
+    short work, also once earlier short requests have been answered (the count of queued short items is back
+    to zero)."""
     import prefixcache.server.batcher as batcher_module
 
     handoffs = []
@@ -250,9 +253,12 @@ def test_with_no_short_work_queued_the_steps_never_wait_on_the_event_loop(monkey
         return real(coroutine, loop)
 
     monkeypatch.setattr(batcher_module.asyncio, "run_coroutine_threadsafe", counted)
-    decoding = DecodingRunner()
+    decoding, short = DecodingRunner(), ShortRunner()
 
     async def body(batcher, submit):
+        assert await asyncio.gather(*(submit(short, p) for p in answered_before)) == [
+            [f"scored {p}"] for p in answered_before
+        ]
         return await submit(decoding, "ticket")
 
     assert asyncio.run(_with_batcher(body)) == ["decoded ticket"]
@@ -309,3 +315,36 @@ def test_a_short_pass_between_steps_is_let_go_once_it_is_answered():
     assert answer == ["scored a"]
     assert still_decoding, "the short request was not answered between steps, so this checks nothing"
     assert not kept, "an answered short pass's items are still held by the batcher while decoding goes on"
+
+
+def test_short_work_queued_behind_a_decoding_request_is_let_in_between_its_steps():
+    """While the model is busy, a decoding request queues, then a short one. The decoding pass goes next
+    (it is older); the short request must still be let in between its steps, not wait for all of them."""
+    decoding, short, entered, release = DecodingRunner(), ShortRunner(), threading.Event(), threading.Event()
+
+    class Blocker(ShortRunner):
+        def run(self, batch):
+            entered.set()
+            release.wait(10)
+            return super().run(batch)
+
+    async def body(batcher, submit):
+        busy = asyncio.ensure_future(submit(Blocker(), "x"))
+        await _until(entered)
+        long_request = asyncio.ensure_future(submit(decoding, "ticket"))
+        await _until_queued(batcher, 1)
+        short_request = asyncio.ensure_future(submit(short, "a"))
+        await _until_queued(batcher, 2)
+        release.set()
+        return await asyncio.gather(busy, long_request, short_request)
+
+    assert asyncio.run(_with_batcher(body)) == [["scored x"], ["decoded ticket"], ["scored a"]]
+    assert decoding.started_at < short.ran_at[0] < decoding.ended_at, "the short request waited for every step"
+
+
+async def _until_queued(batcher, depth: int) -> None:
+    for _ in range(1000):  # a bound on a hang, not a timing assertion
+        if batcher.depth == depth:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never {depth} items queued")
