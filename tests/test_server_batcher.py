@@ -13,6 +13,7 @@ its last item has been scored.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -22,8 +23,11 @@ from prefixcache.server.prometheus import Metrics
 from prefixcache.server.settings import ServerSettings
 
 
+MODEL_THREAD = "the-model-thread"
+
+
 class CountingRunner:
-    """Records the size and the payloads of every pass; each item's result is its own payload."""
+    """Records the size, the payloads and the thread of every pass; each item's result is its own payload."""
 
     kind = "classify"
 
@@ -31,8 +35,10 @@ class CountingRunner:
         self.task = SimpleNamespace(name="fake")
         self.passes: list[int] = []
         self.batches: list[list] = []
+        self.threads: list[str] = []
 
     def run(self, batch):
+        self.threads.append(threading.current_thread().name)
         self.passes.append(len(batch))
         self.batches.append([item.record for item in batch])
         return [item.record for item in batch]
@@ -53,7 +59,7 @@ async def staggered(batcher: MicroBatcher, runner, count: int, spacing_s: float)
 
 def run_batcher(settings: ServerSettings, scenario):
     async def main():
-        with ThreadPoolExecutor(1) as model_thread:
+        with ThreadPoolExecutor(1, thread_name_prefix=MODEL_THREAD) as model_thread:
             batcher = MicroBatcher(model_thread, settings, Metrics())
             batcher.start()
             try:
@@ -108,6 +114,19 @@ def test_a_request_larger_than_max_batch_is_split_and_answered_whole():
     [answer] = run_batcher(settings, lambda b: submit_requests(b, runner, [list(range(5))]))
     assert answer == [0, 1, 2, 3, 4], f"the request was answered {answer} before all of its passes had run"
     assert runner.passes == [2, 2, 1], f"5 items at max_batch=2 ran as passes {runner.passes}"
+    assert all(name.startswith(MODEL_THREAD) for name in runner.threads), (
+        f"passes ran on {runner.threads}: only the model thread may touch the model"
+    )
+
+
+def test_a_full_batch_runs_at_once_without_waiting_for_the_gap_or_max_wait():
+    runner = CountingRunner()
+    settings = ServerSettings(max_batch=4, max_wait_ms=60_000, arrival_gap_ms=60_000)
+    started = time.perf_counter()
+    [answer] = run_batcher(settings, lambda b: submit_requests(b, runner, [list(range(4))]))
+    waited = time.perf_counter() - started
+    assert answer == [0, 1, 2, 3] and runner.passes == [4]
+    assert waited < 30, f"a full batch was held {waited:.1f} s, as if for the arrival gap (60 s)"
 
 
 def test_mixed_size_requests_each_get_all_their_results_in_order():
