@@ -146,7 +146,7 @@ def test_submit_of_nothing_answers_nothing_and_submit_before_start_is_refused():
         batcher = MicroBatcher(None, ServerSettings(), Metrics())
         assert await batcher.submit(object(), []) == []
         assert not batcher.running
-        with pytest.raises(ShuttingDownError):
+        with pytest.raises(ShuttingDownError, match="^the server is not running$"):
             await batcher.submit(object(), [item(1)])
 
     asyncio.run(scenario())
