@@ -318,3 +318,42 @@ def test_a_client_over_its_share_is_told_to_retry_after_its_excess_is_likely_ans
     with pytest.raises(QueueFullError, match="this client has 3 items in progress") as refused:
         batcher._reserve(3, "alice")  # 2 over the share of 4: answered in ~4 s at half an item a second
     assert refused.value.retry_after == 5
+
+
+def test_a_clients_items_in_progress_add_up_over_its_requests_and_are_all_given_back():
+    batcher = MicroBatcher(None, ServerSettings(max_items=2, max_queue=100, max_queue_per_client=4), Metrics())
+    with batcher.admit(2, "alice"), batcher.admit(2, "alice"):
+        with pytest.raises(QueueFullError, match="this client has 4 items in progress"):
+            with batcher.admit(1, "alice"):
+                pass
+        with batcher.admit(4, "bob"):  # another client's share is its own
+            assert batcher.in_progress == 8
+    assert batcher.in_progress == 0
+    with batcher.admit(4, "alice"):  # every item of alice's given back
+        pass
+
+
+def test_a_started_batchers_loop_that_dies_is_reported_critical_and_its_task_is_named(caplog):
+    """``start()`` wires the crash report (the crash test above wires it by hand) and names the loop's
+    task, so that it can be told apart in a dump of the event loop's tasks."""
+
+    async def dies():
+        raise KeyError("lost slot")
+
+    async def scenario():
+        with ThreadPoolExecutor(1) as model_thread:
+            batcher = MicroBatcher(model_thread, ServerSettings(), Metrics())
+            batcher._run_forever = dies
+            batcher.start()
+            names = {task.get_name() for task in asyncio.all_tasks()}
+            await until(lambda: any(r.levelno == logging.CRITICAL for r in caplog.records), "the crash was logged")
+            running = batcher.running
+            await batcher.stop()
+            return names, running
+
+    with caplog.at_level(logging.DEBUG, logger="prefixcache.server.batcher"):
+        names, running = asyncio.run(scenario())
+    assert "prefixcache-batcher" in names
+    assert not running
+    (record,) = [r for r in caplog.records if r.name == "prefixcache.server.batcher"]
+    assert record.getMessage() == "the micro-batcher stopped" and record.exc_info[0] is KeyError
