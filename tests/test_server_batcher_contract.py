@@ -230,7 +230,7 @@ def test_a_runner_exception_reaches_every_request_in_the_pass_and_the_loop_goes_
     assert outcomes == [boom, boom]
     assert again == ["ok"]
     logged = [(r.getMessage(), r.exc_info[1]) for r in caplog.records if r.levelno == logging.ERROR]
-    assert logged == [("forward pass of 3 items for task 'failing' failed", boom)], "the log names the pass and its error"
+    assert logged == [("forward pass of 3 items for task 'failing' failed", boom)], "the log names the pass, its error"
 
 
 def test_a_runner_returning_the_wrong_number_of_results_fails_the_requests():

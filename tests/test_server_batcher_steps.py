@@ -71,6 +71,19 @@ class ShortRunner:
         return [f"scored {item.record}" for item in batch]
 
 
+class BlockingShort(ShortRunner):
+    """A short runner whose pass holds the model thread until ``release`` is set (``entered`` says it began)."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def run(self, batch):
+        self.entered.set()
+        self.release.wait(10)
+        return super().run(batch)
+
+
 def item(payload):
     return SimpleNamespace(record=payload, full=False)
 
@@ -214,23 +227,17 @@ def test_a_second_decoding_pass_is_never_run_between_the_steps_of_another():
 def test_stopping_during_a_short_pass_between_steps_fails_its_request_at_once():
     from prefixcache.errors import ShuttingDownError
 
-    decoding, entered, release = DecodingRunner(), threading.Event(), threading.Event()
-
-    class BlockingShort(ShortRunner):
-        def run(self, batch):
-            entered.set()
-            release.wait(10)
-            return super().run(batch)
+    decoding, blocking = DecodingRunner(), BlockingShort()
 
     async def body(batcher, submit):
         asyncio.ensure_future(submit(decoding, "ticket"))
         await _until(decoding.started)
-        short_request = asyncio.ensure_future(submit(BlockingShort(), "a"))
-        await _until(entered)
+        short_request = asyncio.ensure_future(submit(blocking, "a"))
+        await _until(blocking.entered)
         await batcher.stop()
         await asyncio.sleep(0)
         done = short_request.done()
-        release.set()
+        blocking.release.set()
         return done, (await asyncio.gather(short_request, return_exceptions=True))[0]
 
     done, outcome = asyncio.run(_with_batcher(body))
@@ -320,22 +327,16 @@ def test_a_short_pass_between_steps_is_let_go_once_it_is_answered():
 def test_short_work_queued_behind_a_decoding_request_is_let_in_between_its_steps():
     """While the model is busy, a decoding request queues, then a short one. The decoding pass goes next
     (it is older); the short request must still be let in between its steps, not wait for all of them."""
-    decoding, short, entered, release = DecodingRunner(), ShortRunner(), threading.Event(), threading.Event()
-
-    class Blocker(ShortRunner):
-        def run(self, batch):
-            entered.set()
-            release.wait(10)
-            return super().run(batch)
+    decoding, short, blocker = DecodingRunner(), ShortRunner(), BlockingShort()
 
     async def body(batcher, submit):
-        busy = asyncio.ensure_future(submit(Blocker(), "x"))
-        await _until(entered)
+        busy = asyncio.ensure_future(submit(blocker, "x"))
+        await _until(blocker.entered)
         long_request = asyncio.ensure_future(submit(decoding, "ticket"))
         await _until_queued(batcher, 1)
         short_request = asyncio.ensure_future(submit(short, "a"))
         await _until_queued(batcher, 2)
-        release.set()
+        blocker.release.set()
         return await asyncio.gather(busy, long_request, short_request)
 
     assert asyncio.run(_with_batcher(body)) == [["scored x"], ["decoded ticket"], ["scored a"]]
