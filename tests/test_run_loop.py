@@ -12,7 +12,8 @@ import pytest
 
 from prefixcache.cache.kv import PrefixKV
 from prefixcache.run import loop
-from prefixcache.run.classify import Classifier, Record, RunConfig, RunStats, records_from_texts
+from prefixcache.run.classify import Classifier, Record, RunConfig, RunStats, records_from_texts, warmup
+from prefixcache.types import Mode
 
 from conftest import tiny_loaded
 
@@ -172,3 +173,26 @@ def test_a_row_the_reader_marked_bad_is_answered_with_its_error_and_the_rows_aft
     assert [p.id for p in predictions] == ["line 1", "line 2", "line 3", "line 4"]
     assert predictions[1].error == "line 2: not valid JSON" and predictions[1].label is None
     assert all(p.error is None and p.label is not None for p in (predictions[0], *predictions[2:]))
+
+
+def test_warmup_runs_one_batched_record_with_every_field_of_the_task_to_the_end(tiny_llama, task):
+    """``warmup`` (what the bench and the evaluator run before timing) builds the prefix and scores one record
+    that fills each of the task's fields, in the batched mode the timed runs use, and reads its result."""
+    classifier = Classifier(tiny_llama, task)
+    calls, answered = [], []
+    real = classifier.classify
+
+    def spy(records, config=RunConfig(), **kw):
+        records = list(records)
+        calls.append((records, config))
+        for prediction in real(records, config, **kw):
+            answered.append(prediction)
+            yield prediction
+
+    classifier.classify = spy
+    warmup(classifier)
+    [(records, config)] = calls
+    assert [set(r.fields) for r in records] == [set(task.fields)]
+    assert all(isinstance(v, str) and v for v in records[0].fields.values()), records[0].fields
+    assert config.mode is Mode.BATCHED
+    assert len(answered) == 1 and answered[0].error is None, "the warm-up result was not read to the end"
