@@ -35,6 +35,7 @@ test-fast: install
 # Mutation testing (slow; NOT part of `make test`). What it mutates and which tests it runs: [tool.mutmut] in
 # pyproject.toml; results and the judged survivors: docs/testing.md.
 # MUTANTS narrows the run to mutant-name globs, e.g.  make mutants MUTANTS='prefixcache.scoring.*'
+# (named mutants are run again even if they have results; with no MUTANTS, a run resumes: it runs only those not yet run)
 MUTANTS      ?=
 MUTANT_JOBS  ?= 2
 # Each mutant's tests get one torch thread (two children on two cores do not oversubscribe them, and OpenMP's

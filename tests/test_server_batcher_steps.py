@@ -24,6 +24,8 @@ from prefixcache.server.batcher import MicroBatcher
 from prefixcache.server.prometheus import Metrics
 from prefixcache.server.settings import ServerSettings
 
+from test_server_batcher_contract import until
+
 STEPS = 40
 STEP_S = 0.05
 SETTINGS = ServerSettings(max_batch=8, max_wait_ms=5, arrival_gap_ms=1)
@@ -333,19 +335,11 @@ def test_short_work_queued_behind_a_decoding_request_is_let_in_between_its_steps
         busy = asyncio.ensure_future(submit(blocker, "x"))
         await _until(blocker.entered)
         long_request = asyncio.ensure_future(submit(decoding, "ticket"))
-        await _until_queued(batcher, 1)
+        await until(lambda: batcher.depth == 1, "the decoding request queued")
         short_request = asyncio.ensure_future(submit(short, "a"))
-        await _until_queued(batcher, 2)
+        await until(lambda: batcher.depth == 2, "the short request queued behind it")
         blocker.release.set()
         return await asyncio.gather(busy, long_request, short_request)
 
     assert asyncio.run(_with_batcher(body)) == [["scored x"], ["decoded ticket"], ["scored a"]]
     assert decoding.started_at < short.ran_at[0] < decoding.ended_at, "the short request waited for every step"
-
-
-async def _until_queued(batcher, depth: int) -> None:
-    for _ in range(1000):  # a bound on a hang, not a timing assertion
-        if batcher.depth == depth:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never {depth} items queued")
