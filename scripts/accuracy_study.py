@@ -9,11 +9,11 @@ Three steps, each a subcommand:
   need and cache the features in ``--cache`` (default /tmp/accuracy_cache), one ``.npz`` per job and
   chunk, so a rerun or a killed run costs nothing it already paid for. One pass keeps several feature
   specs at once (``last+mean+last@15+mean@15+last@22+mean@22``); the experiments slice the columns.
-* ``run``: the experiments, on the cached arrays only: (a) feature choice, (b) the issue's targets,
+* ``scheduler``: the experiments, on the cached arrays only: (a) feature choice, (b) the issue's targets,
   (c) accuracy against rows per label, (d) short vs full prompt, (e) fit time and fit vs classify.
   Prints markdown tables, writes the curve PNGs and ``results.json`` in the cache folder.
 
-``--quick`` shrinks every data set (a few rows per label) so that ``collect`` and ``run`` finish in
+``--quick`` shrinks every data set (a few rows per label) so that ``collect`` and ``scheduler`` finish in
 a couple of minutes; its numbers only show that the pipeline works.
 
     .venv/bin/python scripts/accuracy_study.py tasks
@@ -328,7 +328,7 @@ def write_tasks() -> None:
         [(picked[label], picked[label]["id"]) for label in NATCS71_LABELS], "Customer: {text}",
     )
     # The bundled tasks with instruction and taxonomy only (their examples dropped).
-    from prefixcache.spec.task import load_task
+    from prefixcache.task.definition import load_task
 
     for bundled, short in (("support-tickets", "support-tickets-short"), ("natcs-intents", "natcs-intents-short")):
         task = load_task(bundled)
@@ -344,7 +344,7 @@ def write_tasks() -> None:
 # Splits: which rows each experiment fits on and scores.
 # ---------------------------------------------------------------------------------------------
 def load_task_file(name: str):
-    from prefixcache.spec.task import load_task
+    from prefixcache.task.definition import load_task
 
     path = TASK_DIR / f"{name}.yaml"
     return load_task(path if path.exists() else name)
@@ -466,12 +466,12 @@ def load_model_for_study():
 
 def collect(args) -> None:
     from prefixcache.cache.pool import PrefixPool
-    from prefixcache.run.features import collect_features
+    from prefixcache.scheduler.feature_pass import collect_features
 
     try:
         from prefixcache.types import Record
     except ImportError:  # before the value types moved
-        from prefixcache.run.classify import Record
+        from prefixcache.scheduler.classify import Record
 
     splits = Splits(args.quick)
     args.cache.mkdir(parents=True, exist_ok=True)
@@ -547,7 +547,7 @@ class Cached:
         self.index = {i: k for k, i in enumerate(self.ids)}
 
     def take(self, rows: list[dict], spec: str = "last"):
-        """(X, y, prompt log-probs) for ``rows`` (those present), features of ``spec``."""
+        """(X, y, prompt log-probs) for ``rows`` (those present), features of ``task``."""
         idx = [self.index[r["id"]] for r in rows if r["id"] in self.index]
         width = self.features.shape[1] // len(SPEC_PARTS)
         cols = np.concatenate([np.arange(SPEC_PARTS.index(p) * width, (SPEC_PARTS.index(p) + 1) * width)
@@ -556,11 +556,11 @@ class Cached:
 
 
 # ---------------------------------------------------------------------------------------------
-# Experiments (subcommand ``run``): cached arrays only, no model.
+# Experiments (subcommand ``scheduler``): cached arrays only, no model.
 # ---------------------------------------------------------------------------------------------
 def feature_set(cached: Cached, rows: list[dict], spec: str):
-    """A :class:`~prefixcache.run.features.FeatureSet` of ``rows`` (those cached) and their gold labels."""
-    from prefixcache.run.features import FeatureSet
+    """A :class:`~prefixcache.scheduler.feature_pass.FeatureSet` of ``rows`` (those cached) and their gold labels."""
+    from prefixcache.scheduler.feature_pass import FeatureSet
 
     present = [r for r in rows if r["id"] in cached.index]
     x, gold, prompt = cached.take(present, spec)
@@ -751,7 +751,7 @@ class Study:
 
     def collection_timing(self, job: str, task_name: str) -> dict:
         """ms/record of the collection pass itself (all six feature parts kept; prefix build excluded)."""
-        from prefixcache.spec.prompt import build_prompt
+        from prefixcache.task.prompt import build_prompt
 
         if not hasattr(self, "_tokenizer"):
             self._tokenizer = load_model_for_study().tokenizer
@@ -855,9 +855,9 @@ def timing(args) -> None:
     from prefixcache.cache.pool import PrefixPool
     from prefixcache.datasets.tickets import generate_tickets
     from prefixcache.eval.fit_head import fit_head
-    from prefixcache.run.classify import Classifier, warmup
-    from prefixcache.run.features import collect_features
-    from prefixcache.spec.prompt import build_prompt
+    from prefixcache.scheduler.classify import Classifier, warmup
+    from prefixcache.scheduler.feature_pass import collect_features
+    from prefixcache.task.prompt import build_prompt
     from prefixcache.types import Record, RunConfig
 
     loaded = load_model_for_study()

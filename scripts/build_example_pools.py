@@ -2,7 +2,7 @@
 
 Each output is the bundled task file unchanged (same instruction, labels and
 examples) plus an ``example_pool`` of extra labelled examples, none of which is
-an evaluation row of that task (compared as :func:`prefixcache.spec.selection.normalize_text`):
+an evaluation row of that task (compared as :func:`prefixcache.task.selection.normalize_text`):
 
 * ``docs/tasks/support-tickets-pool.yaml``: ``POOL_PER_LABEL`` tickets per label from
   ``generate_tickets(400, seed=7)`` (the evaluation file is seed 0);
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_natcs  # noqa: E402
 
 from prefixcache.io.records import bundled_dataset  # noqa: E402
-from prefixcache.spec.selection import normalize_text  # noqa: E402
-from prefixcache.spec.task import load_task  # noqa: E402
+from prefixcache.task.selection import normalize_text  # noqa: E402
+from prefixcache.task.definition import load_task  # noqa: E402
 from prefixcache.datasets.tickets import generate_tickets  # noqa: E402
 
 OUT = ROOT / "docs" / "tasks"

@@ -25,8 +25,8 @@ import torch
 
 from prefixcache.bench.workload import ticket_records
 from prefixcache.model.load import LoadedModel, load_model
-from prefixcache.run.classify import Classifier
-from prefixcache.spec.task import load_task
+from prefixcache.scheduler.classify import Classifier
+from prefixcache.task.definition import load_task
 from prefixcache.types import RunConfig
 
 

@@ -173,7 +173,7 @@ def sequential_reference(args, requests) -> tuple[dict[str, object], Ceiling]:
 
     from prefixcache import Classifier, Record, RunConfig, load_model, load_task
     from prefixcache.bench.lanes import matmul_peak_gflops, nonembedding_params
-    from prefixcache.run.classify import RunStats, warmup
+    from prefixcache.scheduler.classify import RunStats, warmup
 
     loaded = load_model(args.model, args.dtype, args.threads)
     if args.tolerance is None:

@@ -18,7 +18,7 @@ def openai_sender(host: str, port: int, key: str, task_path: str):
     import openai
 
     from prefixcache import load_task
-    from prefixcache.spec.prompt import input_lead, render_messages
+    from prefixcache.task.prompt import input_lead, render_messages
 
     task = load_task(task_path)
     head, lead, labels = render_messages(task)[:-1], input_lead(task), list(task.labels)

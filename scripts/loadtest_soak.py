@@ -22,7 +22,7 @@ def budget_for_two(model: str, dtype: str) -> int:
     """Bytes that hold the two largest of :data:`SOAK_TASKS`' prefixes but not all three."""
     from prefixcache import load_model, load_task
     from prefixcache.cache.pool import PrefixPool
-    from prefixcache.spec.prompt import build_prompt
+    from prefixcache.task.prompt import build_prompt
 
     loaded = load_model(model, dtype)
     pool = PrefixPool()

@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from prefixcache.io.records import bundled_dataset, read_records  # noqa: E402
 from prefixcache.model.load import load_model  # noqa: E402
 from prefixcache.cache.pool import POLICIES, PoolConfig, PrefixPool, format_bytes  # noqa: E402
-from prefixcache.spec.prompt import build_prompt  # noqa: E402
+from prefixcache.task.prompt import build_prompt  # noqa: E402
 from prefixcache.eval.verify_storage import storage_agreement  # noqa: E402
-from prefixcache.run.classify import Classifier, RunConfig  # noqa: E402
+from prefixcache.scheduler.classify import Classifier, RunConfig  # noqa: E402
 from prefixcache.cache.disk import DiskStore  # noqa: E402
-from prefixcache.spec.task import load_task  # noqa: E402
+from prefixcache.task.definition import load_task  # noqa: E402
 
 ACCESSES = [0, 1, 2, 3, 4, 0, 0, 2, 1, 4, 0, 3, 2, 0, 4]
 """Task indices in the order the demo asks for them (the first five load every task once)."""

@@ -34,8 +34,8 @@ import time
 
 from prefixcache.io import records as data
 from prefixcache.model.load import DEFAULT_MODEL, load_model
-from prefixcache.run.classify import Classifier, RunConfig
-from prefixcache.spec.task import load_task
+from prefixcache.scheduler.classify import Classifier, RunConfig
+from prefixcache.task.definition import load_task
 
 
 def single_process(args, records, threads: int) -> dict:
@@ -59,7 +59,7 @@ def single_process(args, records, threads: int) -> dict:
 def local_ray(args, n: int, workers: int, cores: int) -> dict:
     import ray
 
-    from prefixcache.dist.ray import run_ray_classify
+    from prefixcache.scaleout.ray import run_ray_classify
 
     threads = max(1, cores // workers)
     started = time.perf_counter()

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 from prefixcache.model.load import LoadedModel, build_random_model
-from prefixcache.spec.task import parse_task
+from prefixcache.task.definition import parse_task
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -16,7 +16,7 @@ from prefixcache.bench.head_lanes import gold_labels
 from prefixcache.bench.workload import ticket_records
 from prefixcache.cli.app import app
 from prefixcache.errors import InputError
-from prefixcache.spec.task import load_task, parse_task
+from prefixcache.task.definition import load_task, parse_task
 
 from conftest import TASK_YAML, save_tiny_model
 from test_bench_lanes import MODE_KEYS

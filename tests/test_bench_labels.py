@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from prefixcache.bench.workload import file_records, fitting_records
 from prefixcache.cli.app import app
 from prefixcache.errors import InputError
-from prefixcache.spec.task import parse_task
+from prefixcache.task.definition import parse_task
 
 from conftest import save_tiny_model
 

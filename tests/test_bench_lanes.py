@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from prefixcache.bench.lanes import Lane, near_tie_ids, nonembedding_params, run_lanes
 from prefixcache.bench.roofline import decode_floor, matmul_peak_gflops, shape_peak, weight_bytes
 from prefixcache.cli.app import app
-from prefixcache.run.classify import Prediction, Record, RunStats
+from prefixcache.scheduler.classify import Prediction, Record, RunStats
 from prefixcache.engine.scoring import LabelScores
 from prefixcache.eval.verify import compare
 

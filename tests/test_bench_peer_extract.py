@@ -18,13 +18,13 @@ import torch
 
 from prefixcache.bench.extract_lanes import UNCONSTRAINED, bench_extract
 from prefixcache.bench.peer_extract import LLAMA_CPP, LlamaCppGenerator, llama_cpp_generate
-from prefixcache.run.extract import Extractor
-from prefixcache.spec.task import parse_task
+from prefixcache.scheduler.extract import Extractor
+from prefixcache.task.definition import parse_task
 from prefixcache.types import Record, RunConfig
 
 from conftest import EXTRACT_YAML, TEXTS
 
-# "Ticket: pass" + "word..." re-tokenizes as " password" for the tiny BPE (see test_spec_prompt.py), so these
+# "Ticket: pass" + "word..." re-tokenizes as " password" for the tiny BPE (see test_task_prompt.py), so these
 # records cross the prefix boundary and must be evaluated whole.
 CROSSING = ["word reset mail never arrives", "words"]
 

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixcache.cache import attention
-from prefixcache.cache.attention import _attend_cpu_flash, _attend_eager
+from prefixcache.attention import shared_prefix as attention
+from prefixcache.attention.shared_prefix import _attend_cpu_flash, _attend_eager
 from prefixcache.engine.rows import empty_prefix, forward_rows, last_hidden_packed, pad_rows
 from prefixcache.cache.kv import PrefixKV
 
@@ -70,7 +70,7 @@ def test_packed_rows_give_each_rows_plain_forward(tiny, prefix_len, lengths, see
 
 
 def test_a_packed_fork_serves_one_pass(tiny):
-    from prefixcache.cache.attention import Packing
+    from prefixcache.attention.shared_prefix import Packing
 
     prefix = PrefixKV.build(tiny.model, [5, 6, 7])
     with pytest.raises(ValueError, match="one sequence"):
@@ -100,7 +100,7 @@ def test_fused_and_eager_partial_attention_agree_including_empty_rows(dtype):
 
 
 def test_attention_features_it_cannot_share_are_refused():
-    from prefixcache.cache.attention import SharedKV, shared_prefix_attention
+    from prefixcache.attention.shared_prefix import SharedKV, shared_prefix_attention
 
     q = torch.zeros(1, 2, 1, 4)
     kv = SharedKV(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 1, 4))
@@ -110,7 +110,7 @@ def test_attention_features_it_cannot_share_are_refused():
 
 def test_a_mask_that_is_not_boolean_is_refused_naming_the_format_it_expects():
     """An additive float mask (the eager format) would be read as True/False by mistake: it is refused."""
-    from prefixcache.cache.attention import SharedKV, shared_prefix_attention
+    from prefixcache.attention.shared_prefix import SharedKV, shared_prefix_attention
 
     q = torch.zeros(1, 2, 1, 4)
     kv = SharedKV(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 1, 4))
@@ -152,7 +152,7 @@ def test_shared_prefix_attention_equals_attention_over_the_concatenated_keys(mon
     kernel and on the eager path other devices take."""
     if kernel == "eager":
         monkeypatch.setattr(attention, "_has_cpu_flash", lambda q: False)
-    from prefixcache.cache.attention import SharedKV, shared_prefix_attention
+    from prefixcache.attention.shared_prefix import SharedKV, shared_prefix_attention
 
     b, h, kv, p, d = (SHAPES[k] for k in ("batch", "heads", "kv_heads", "prefix", "head_dim"))
     width = 4
@@ -172,7 +172,7 @@ def test_shared_prefix_attention_equals_attention_over_the_concatenated_keys(mon
 def test_shared_prefix_attention_without_a_mask_is_causal_from_the_last_query():
     """No mask (transformers drops an all-true one): queries are the last ``T`` of ``S`` own tokens, each
     seeing the whole prefix and the own tokens up to its own position."""
-    from prefixcache.cache.attention import SharedKV, shared_prefix_attention
+    from prefixcache.attention.shared_prefix import SharedKV, shared_prefix_attention
 
     b, h, kv, p, d = (SHAPES[k] for k in ("batch", "heads", "kv_heads", "prefix", "head_dim"))
     width, own = 2, 5
@@ -190,7 +190,7 @@ def test_shared_prefix_attention_without_a_mask_is_causal_from_the_last_query():
 def test_plain_keys_go_to_transformers_sdpa_with_the_models_mask_and_scale():
     """Plain key/value tensors (building a prefix, a full re-encode) are not shared: the call is transformers'
     own SDPA attention, with the model's mask and its ``scaling`` passed through."""
-    from prefixcache.cache.attention import shared_prefix_attention
+    from prefixcache.attention.shared_prefix import shared_prefix_attention
 
     b, h, kv, _, d = (SHAPES[k] for k in ("batch", "heads", "kv_heads", "prefix", "head_dim"))
     width = 4
@@ -218,7 +218,7 @@ def test_plain_keys_go_to_transformers_sdpa_with_the_models_mask_and_scale():
 def test_packed_shared_prefix_attention_equals_each_rows_own_attention(scaling):
     """Rows laid end to end (one sequence of N tokens): each row sees the whole prefix and its own
     tokens causally, never another row's, with grouped-query heads and the model's ``scaling``."""
-    from prefixcache.cache.attention import Packing, SharedKV, shared_prefix_attention
+    from prefixcache.attention.shared_prefix import Packing, SharedKV, shared_prefix_attention
 
     h, kv, p, d = (SHAPES[k] for k in ("heads", "kv_heads", "prefix", "head_dim"))
     lengths = [3, 1, 4]
@@ -244,7 +244,7 @@ def test_packed_shared_prefix_attention_equals_each_rows_own_attention(scaling):
 
 @pytest.mark.parametrize("feature", ["softcap", "s_aux", "sliding_window"])
 def test_each_attention_feature_it_cannot_share_is_refused(feature):
-    from prefixcache.cache.attention import SharedKV, shared_prefix_attention
+    from prefixcache.attention.shared_prefix import SharedKV, shared_prefix_attention
 
     q = torch.zeros(1, 2, 1, 4)
     kv = SharedKV(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 1, 4))

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from prefixcache.cache.attention import Packing
+from prefixcache.attention.shared_prefix import Packing
 from prefixcache.cache.kv import KVShape, PrefixKV
 from prefixcache.engine.rows import empty_prefix
 from prefixcache.errors import PromptError
@@ -30,7 +30,7 @@ def stored(tiny_llama) -> PrefixKV:
 
 @pytest.mark.parametrize("length", [0, 1, 4, 7])
 def test_the_head_of_every_length_from_none_to_all_is_the_first_tokens_as_views(stored, length):
-    head = stored.head(length)
+    head = stored.leading(length)
     assert head.token_ids == IDS[:length] and head.length == length
     for own, whole in zip((*head.keys, *head.values), (*stored.keys, *stored.values)):
         assert own.shape == (*whole.shape[:2], length, whole.shape[3])  # [1, kv_heads, length, head_dim]
@@ -39,14 +39,14 @@ def test_the_head_of_every_length_from_none_to_all_is_the_first_tokens_as_views(
 
 
 @pytest.mark.parametrize("length", [-1, 8])
-def test_a_head_outside_the_prefix_is_refused_naming_both_lengths(stored, length):
+def test_a_leading_part_outside_the_prefix_is_refused_naming_both_lengths(stored, length):
     with pytest.raises(ValueError) as refused:
-        stored.head(length)
-    assert str(refused.value) == f"head({length}) of a 7-token prefix"
+        stored.leading(length)
+    assert str(refused.value) == f"leading({length}) of a 7-token prefix"
 
 
 def test_a_copy_of_a_head_owns_contiguous_tensors_with_the_same_values(stored):
-    head = stored.head(3)
+    head = stored.leading(3)
     assert not head.keys[0].is_contiguous()  # a slice along the token axis of [1, kv_heads, P, head_dim]
     copy = head.copy()
     assert copy.token_ids == head.token_ids
@@ -103,7 +103,7 @@ def test_the_empty_prefix_is_laid_out_like_a_built_one_with_no_tokens(dtype):
 def test_extending_a_head_recomputes_the_rest_of_the_prefix(tiny_llama, stored, split):
     """``head(split).extend(rest)`` is the prefix built whole, for every split: from nothing (it builds), from
     one token, and from all but the last. The prefix extended is left as it was and shares nothing."""
-    start = stored.head(split).copy()
+    start = stored.leading(split).copy()
     before = start.checksum()
     grown = start.extend(tiny_llama.model, IDS[split:])
     assert grown.token_ids == IDS and start.checksum() == before
@@ -122,7 +122,7 @@ def test_extending_by_nothing_is_refused_pointing_at_copy(tiny_llama, stored):
 def test_the_tensors_written_to_disk_read_back_as_the_same_prefix(stored, length):
     """The disk tier's round trip: ``from_tensors(to_tensors())`` keeps every layer and the token ids, which are
     int64 even for an empty prefix (``torch.tensor(())`` alone would be float32)."""
-    prefix = stored.head(length)
+    prefix = stored.leading(length)
     tensors = prefix.to_tensors()
     assert tensors["token_ids"].dtype == torch.int64 and tensors["token_ids"].tolist() == list(prefix.token_ids)
     back = PrefixKV.from_tensors(tensors)

@@ -23,7 +23,7 @@ from prefixcache.cache.eviction import POLICIES, LFUPolicy, LRUPolicy
 from prefixcache.cache.pool import PrefixKey, PrefixPool
 from prefixcache.cache.layouts import STORAGES, Int8Storage
 from prefixcache.eval.verify_storage import storage_agreement
-from prefixcache.run.classify import Classifier, RunConfig, records_from_texts
+from prefixcache.scheduler.classify import Classifier, RunConfig, records_from_texts
 from prefixcache.cache.disk import DiskStore
 from prefixcache.eval.verify import compare
 

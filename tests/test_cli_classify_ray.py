@@ -1,8 +1,8 @@
-"""``prefixcache classify --ray``: the CLI in front of :func:`prefixcache.dist.run_ray_classify`.
+"""``prefixcache classify --ray``: the CLI in front of :func:`prefixcache.scaleout.run_ray_classify`.
 
 The option checks need no Ray and always run. The one Ray run (a local Ray, 2 workers, a
 tiny model saved to a folder) is skipped without Ray, except in CI (``CI`` set), where a
-missing Ray is an error, as in ``tests/test_dist_ray.py``.
+missing Ray is an error, as in ``tests/test_scaleout_ray.py``.
 """
 
 from __future__ import annotations

@@ -16,12 +16,12 @@ import typer.main
 from prefixcache.cache.config import PoolConfig
 from prefixcache.cli.app import app
 from prefixcache.io.records import scan_records
-from prefixcache.run.features import collect_features
+from prefixcache.scheduler.feature_pass import collect_features
 from prefixcache.server.settings import ServerSettings
 from prefixcache.types import RunConfig
 
 ray = pytest.importorskip("ray", reason="the Ray extra is installed by .ci/run; without it its defaults go unchecked")
-from prefixcache.dist.ray import run_ray_classify  # noqa: E402
+from prefixcache.scaleout.ray import run_ray_classify  # noqa: E402
 
 # Parameters whose CLI meaning differs from the library keyword of the same name.
 DIFFERENT_MEANING = {

@@ -13,8 +13,8 @@ from prefixcache.cli.app import app
 from prefixcache.io.records import bundled_dataset, read_rows, to_records
 from prefixcache.cli.demo import float32_twin
 from prefixcache.model.load import LoadedModel, build_random_model
-from prefixcache.run.classify import Classifier, RunConfig
-from prefixcache.spec.task import load_task
+from prefixcache.scheduler.classify import Classifier, RunConfig
+from prefixcache.task.definition import load_task
 
 
 def long_context_llama() -> LoadedModel:

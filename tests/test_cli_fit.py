@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from prefixcache.cli.app import app
 from prefixcache.engine.head_file import load_head
 from prefixcache.model.load import load_model
-from prefixcache.run.features import collect_features
-from prefixcache.spec.task import parse_task
+from prefixcache.scheduler.feature_pass import collect_features
+from prefixcache.task.definition import parse_task
 
 from conftest import TASK_YAML, save_tiny_model
 from test_engine_head import FEATURE, separable_rows
@@ -158,7 +158,7 @@ def test_a_served_task_with_a_head_says_so_and_scores_through_it(fitted, model_d
     pytest.importorskip("fastapi")
     from test_server_app import call, serving
 
-    from prefixcache.spec.task import load_task
+    from prefixcache.task.definition import load_task
 
     loaded = load_model(model_dir, "float32")
     task = load_task(fitted["task"]).model_copy(update={"head": str(fitted["head"])})

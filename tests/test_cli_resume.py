@@ -18,7 +18,7 @@ from prefixcache.io import journal as resume
 from prefixcache.io.job_file import job_path
 from prefixcache.cli.app import app
 from prefixcache.errors import InputError
-from prefixcache.run.classify import LabelScores, Prediction, Record
+from prefixcache.scheduler.classify import LabelScores, Prediction, Record
 
 from conftest import TASK_YAML, TEXTS, save_tiny_model
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-HEAVY = ("torch", "transformers", "safetensors.torch", "prefixcache.engine", "prefixcache.run", "prefixcache.cache.pool")
+HEAVY = ("torch", "transformers", "safetensors.torch", "prefixcache.engine", "prefixcache.scheduler", "prefixcache.cache.pool")
 
 
 def loaded_after(code: str) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from prefixcache.cache.kv import PrefixKV
-from prefixcache.run.classify import Classifier, RunConfig, records_from_texts
+from prefixcache.scheduler.classify import Classifier, RunConfig, records_from_texts
 
 # unequal lengths (packed rows), and equal ones at batch 1 and in the full re-encode
 TEXTS = ["refund please", "my card was charged twice for one order", "hi", "ok", "the app crashes on login"]

@@ -16,9 +16,9 @@ import jsonschema
 import pytest
 
 from prefixcache.io.records import bundled_dataset, read_records, scan_records
-from prefixcache.run.extract import Extractor
-from prefixcache.spec.answer import answer_schema
-from prefixcache.spec.task import load_any_task
+from prefixcache.scheduler.extract import Extractor
+from prefixcache.task.answer import answer_schema
+from prefixcache.task.definition import load_any_task
 from prefixcache.types import RunConfig
 
 pytestmark = pytest.mark.embedded

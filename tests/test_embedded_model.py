@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from prefixcache.cli.app import app
 from prefixcache.io.records import bundled_dataset, read_records
-from prefixcache.run.classify import Classifier, RunConfig
+from prefixcache.scheduler.classify import Classifier, RunConfig
 from prefixcache.eval.verify import compare
 
 pytestmark = pytest.mark.embedded
@@ -43,7 +43,7 @@ def tickets():
 
 @pytest.fixture(scope="module")
 def tickets_classifier(smol):
-    from prefixcache.spec.task import load_task
+    from prefixcache.task.definition import load_task
 
     return Classifier(smol, load_task("support-tickets"))
 
@@ -65,7 +65,7 @@ def test_embedded_cached_equals_full(tickets_classifier, reference, tickets, bat
 
 
 def test_embedded_full_scoring_matches_too(smol, tickets):
-    from prefixcache.spec.task import load_task
+    from prefixcache.task.definition import load_task
 
     classifier = Classifier(smol, load_task("support-tickets"), "full")
     agreement = compare(
@@ -77,7 +77,7 @@ def test_embedded_full_scoring_matches_too(smol, tickets):
 
 def test_embedded_natcs_task_runs(smol):
     from prefixcache.io.records import read_rows, to_records
-    from prefixcache.spec.task import load_task
+    from prefixcache.task.definition import load_task
 
     task = load_task("natcs-intents")
     rows = list(read_rows(bundled_dataset("natcs/utterances.csv")))[:6]

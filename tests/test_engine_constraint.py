@@ -21,10 +21,10 @@ from prefixcache.engine.rows import empty_prefix
 from prefixcache.engine.sampling import Sampling
 from prefixcache.errors import ConstraintError
 from prefixcache.model.load import LoadedModel, build_random_model
-from prefixcache.run.classify import RunConfig, records_from_texts
-from prefixcache.run.extract import Extractor
-from prefixcache.spec.answer import answer_schema
-from prefixcache.spec.task import ExtractTask, parse_task
+from prefixcache.scheduler.classify import RunConfig, records_from_texts
+from prefixcache.scheduler.extract import Extractor
+from prefixcache.task.answer import answer_schema
+from prefixcache.task.definition import ExtractTask, parse_task
 
 from conftest import EXTRACT_YAML, TEXTS, make_tokenizer, tiny_config
 

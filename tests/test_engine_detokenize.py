@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from prefixcache.engine.detokenize import IncrementalText
 from prefixcache.engine.generate import GenerationConfig, generate_rows
-from prefixcache.run.extract import Extractor
+from prefixcache.scheduler.extract import Extractor
 
 from conftest import TEXTS, make_tokenizer
 
@@ -94,7 +94,7 @@ def test_each_row_is_decoded_whole_once_not_once_per_token(tiny_llama, extract_t
 
 @pytest.fixture(scope="module")
 def extract_task_yaml():
-    from prefixcache.spec.task import parse_task
+    from prefixcache.task.definition import parse_task
     from conftest import EXTRACT_YAML
 
     return parse_task(EXTRACT_YAML, "tiny-fields.yaml", kinds=("extract",))

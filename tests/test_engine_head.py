@@ -17,10 +17,10 @@ from prefixcache.engine.head_file import check, load_head, save_head, text_hash
 from prefixcache.errors import HeadMismatchError, InputError
 from prefixcache.eval.fit_curve import fit_curve, parse_shots
 from prefixcache.eval.fit_head import fit_head
-from prefixcache.run.classify import Record
-from prefixcache.run.features import collect_features
-from prefixcache.spec.prompt import build_prompt
-from prefixcache.spec.task import parse_task
+from prefixcache.scheduler.classify import Record
+from prefixcache.scheduler.feature_pass import collect_features
+from prefixcache.task.prompt import build_prompt
+from prefixcache.task.definition import parse_task
 
 from conftest import TASK_YAML, tiny_loaded
 
@@ -207,7 +207,7 @@ def test_curve_steps_are_parsed_or_refused():
 
 
 def test_a_task_file_names_its_head_relative_to_itself(tmp_path):
-    from prefixcache.spec.task import load_task
+    from prefixcache.task.definition import load_task
 
     folder = tmp_path / "tasks"
     folder.mkdir()

@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from prefixcache.engine.forward import score_rows
 from prefixcache.cache.kv import PrefixKV
 from prefixcache.model.load import LoadedModel, build_random_model
-from prefixcache.spec.prompt import build_prompt
-from prefixcache.run.classify import Classifier, RunConfig, records_from_texts
-from prefixcache.engine.scoring import LabelHead
-from prefixcache.spec.task import parse_task
+from prefixcache.task.prompt import build_prompt
+from prefixcache.scheduler.classify import Classifier, RunConfig, records_from_texts
+from prefixcache.engine.scoring import LabelScorer
+from prefixcache.task.definition import parse_task
 from prefixcache.eval.verify import compare
 
 from conftest import TASK_YAML, make_tokenizer, tiny_config
@@ -107,7 +107,7 @@ def _assert_same_scores(got: torch.Tensor, want: torch.Tensor, context: str) -> 
 )
 def test_cached_equals_full_on_random_models_and_tokens(shape, prefix, rows, batch, method):
     model = _model(shape)
-    head = LabelHead(model, _prompt(), method)
+    head = LabelScorer(model, _prompt(), method)
     stored = PrefixKV.build(model, prefix)
     before = stored.checksum()
     for start in range(0, len(rows), batch):
@@ -130,7 +130,7 @@ def test_cached_equals_full_on_random_models_and_tokens(shape, prefix, rows, bat
 def test_no_cross_talk(shape, prefix, target, others, position, method):
     """A row's scores are the same alone and among any neighbours, at any place, under any padding."""
     model = _model(shape)
-    head = LabelHead(model, _prompt(), method)
+    head = LabelScorer(model, _prompt(), method)
     stored = PrefixKV.build(model, prefix)
     alone = score_rows(model, stored, [target], head)[0]
     position = min(position, len(others))

@@ -1,7 +1,7 @@
 """The label scorer's arithmetic against independent oracles (plain torch on a whole-vocabulary head).
 
 The exactness tests elsewhere compare cached with full re-encoding, and both go through this module, so
-a wrong formula here would agree with itself. These tests check each method of ``LabelHead`` and each
+a wrong formula here would agree with itself. These tests check each method of ``LabelScorer`` and each
 property of ``LabelScores`` against a direct computation, on a head with a bias (the tiny models' heads
 have none) and with hidden states of more than two dimensions.
 """
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from prefixcache.engine.scoring import LabelHead, LabelScores
+from prefixcache.engine.scoring import LabelScorer, LabelScores
 
 VOCAB, HIDDEN = 11, 6
 LABEL_IDS = {"billing": (7, 2), "outage": (3,), "other": (9, 4, 1)}
@@ -32,10 +32,10 @@ class HeadModel(torch.nn.Module):
         return self.lm_head
 
 
-def make_head(bias: bool) -> tuple[HeadModel, LabelHead]:
+def make_head(bias: bool) -> tuple[HeadModel, LabelScorer]:
     model = HeadModel(bias)
     prompt = SimpleNamespace(label_ids=LABEL_IDS, first_token_ids=lambda: [ids[0] for ids in LABEL_IDS.values()])
-    return model, LabelHead(model, prompt, "first-token")
+    return model, LabelScorer(model, prompt, "first-token")
 
 
 FIRST = [ids[0] for ids in LABEL_IDS.values()]
@@ -74,7 +74,7 @@ def test_first_step_is_the_vocab_logprob_of_each_labels_first_token(bias):
 
 def test_normalize_renormalizes_each_row_over_the_label_set():
     logprobs = torch.tensor([[-1.0, -2.0, -4.0], [-9.0, -0.5, -3.0]])
-    got = LabelHead.normalize(logprobs)
+    got = LabelScorer.normalize(logprobs)
     torch.testing.assert_close(got, torch.log_softmax(logprobs, dim=-1))
     torch.testing.assert_close(got.exp().sum(-1), torch.ones(2))
 
@@ -118,7 +118,7 @@ def test_a_head_without_a_bias_attribute_scores_like_a_bias_free_linear():
 
     bare = SimpleNamespace(get_output_embeddings=lambda: WeightOnly())
     prompt = SimpleNamespace(label_ids=LABEL_IDS, first_token_ids=lambda: FIRST)
-    bare_head = LabelHead(bare, prompt, "first-token")
+    bare_head = LabelScorer(bare, prompt, "first-token")
     hidden = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(bare_head.first_token(hidden), head.first_token(hidden), atol=1e-6, rtol=0)
     torch.testing.assert_close(bare_head.vocab_logprobs(hidden), head.vocab_logprobs(hidden), atol=1e-6, rtol=0)
@@ -130,21 +130,21 @@ def test_the_label_pass_asked_for_is_the_one_kept(label_pass):
     record label by label (the same numbers, far slower: mutation testing found it unpinned)."""
     model = HeadModel(False)
     prompt = SimpleNamespace(label_ids=LABEL_IDS, first_token_ids=lambda: FIRST)
-    assert LabelHead(model, prompt, "full", label_pass).label_pass == label_pass
+    assert LabelScorer(model, prompt, "full", label_pass).label_pass == label_pass
 
 
 def test_an_unknown_label_pass_is_refused_naming_the_choices():
     prompt = SimpleNamespace(label_ids=LABEL_IDS, first_token_ids=lambda: FIRST)
     with pytest.raises(ValueError) as refused:
-        LabelHead(HeadModel(False), prompt, "full", "fast")
+        LabelScorer(HeadModel(False), prompt, "full", "fast")
     assert str(refused.value) == "label_pass must be one of ('trie', 'per-label'), got 'fast'"
 
 
 @pytest.mark.parametrize("method", ["auto", "head:last", "first_token"])
 def test_a_method_the_head_cannot_score_is_refused_naming_the_choices(method):
-    """``auto`` is resolved by the prompt and a fitted head scores on its own: a LabelHead is only ever made for
+    """``auto`` is resolved by the prompt and a fitted head scores on its own: a LabelScorer is only ever made for
     the two ways of scoring the prompt's label tokens, and anything else is a caller's bug, refused at once."""
     prompt = SimpleNamespace(label_ids=LABEL_IDS, first_token_ids=lambda: FIRST)
     with pytest.raises(ValueError) as refused:
-        LabelHead(HeadModel(False), prompt, method)
+        LabelScorer(HeadModel(False), prompt, method)
     assert str(refused.value) == f"method must be one of ('first-token', 'full'), got {method!r}"

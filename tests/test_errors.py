@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from prefixcache.cli.boundary import boundary, cli_spelling
+from prefixcache.cli.errors import reported, cli_spelling
 from prefixcache.errors import InputError, PoolBudgetError, PrefixCacheError, PromptError, neutral_spelling, setting
 from prefixcache.eval.evaluate import parse_steps
 
@@ -75,7 +75,7 @@ def test_cli_spelling():
 
 
 def test_the_cli_boundary_prints_flags(capsys):
-    @boundary
+    @reported
     def command():
         raise PromptError(f"Use {setting('method', 'full')}, or rename one label.")
 

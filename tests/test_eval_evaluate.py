@@ -17,10 +17,10 @@ from prefixcache.cli.app import app
 from prefixcache.errors import InputError, TaskError
 from prefixcache.eval.evaluate import evaluate, labelled_records, parse_steps, plan_eval, run_eval
 from prefixcache.eval.metrics import compute_metrics, confusion_matrix, metrics_from_confusion
-from prefixcache.run.classify import Classifier, Record, RunConfig
+from prefixcache.scheduler.classify import Classifier, Record, RunConfig
 from prefixcache.engine.scoring import LabelScores
-from prefixcache.spec.selection import candidate_order, first_examples, normalize_text, overlapping_rows, resolve_examples
-from prefixcache.spec.task import parse_task
+from prefixcache.task.selection import candidate_order, first_examples, normalize_text, overlapping_rows, resolve_examples
+from prefixcache.task.definition import parse_task
 
 from conftest import LABELS, POOL_YAML, TASK_YAML, TEXTS, save_tiny_model, tiny_loaded
 
@@ -453,7 +453,7 @@ def test_docs_pool_tasks_keep_the_bundled_prompt_and_never_leak(task_file, data_
     from pathlib import Path
 
     from prefixcache.io.records import bundled_dataset, read_records
-    from prefixcache.spec.task import load_task
+    from prefixcache.task.definition import load_task
 
     pooled = load_task(Path(__file__).parents[1] / "docs" / "tasks" / task_file)
     bundled = load_task(task_file.removesuffix("-pool.yaml"))

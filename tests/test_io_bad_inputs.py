@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from prefixcache.cli.app import app
 from prefixcache.io.records import read_records, scan_records, scan_rows, to_records
 from prefixcache.errors import InputError
-from prefixcache.run.classify import Classifier, Record, RunConfig
+from prefixcache.scheduler.classify import Classifier, Record, RunConfig
 from prefixcache.eval.verify import compare
 
 from conftest import TASK_YAML, tiny_loaded, save_tiny_model
@@ -82,7 +82,7 @@ def task_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def classifier(loaded):
-    from prefixcache.spec.task import parse_task
+    from prefixcache.task.definition import parse_task
 
     return Classifier(loaded, parse_task(TASK_YAML, "tiny.yaml"))
 
@@ -188,7 +188,7 @@ def test_cli_says_how_to_cut_records_past_the_context(model_dir, task_file, tmp_
 @pytest.mark.parametrize("method", ["first-token", "full"])
 def test_truncated_record_fits_and_is_exact(loaded, method):
     """A truncated record is an ordinary shorter record: it fits the context, and cached equals full on it."""
-    from prefixcache.spec.task import parse_task
+    from prefixcache.task.definition import parse_task
 
     classifier = Classifier(loaded, parse_task(TASK_YAML, "tiny.yaml"), method)
     records = [Record("long", {"text": "my invoice is wrong and " * 4000}), Record("short", {"text": "crash"})]

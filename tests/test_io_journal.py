@@ -15,7 +15,7 @@ import pytest
 
 from prefixcache.io import journal as resume
 from prefixcache.errors import InputError
-from prefixcache.run.classify import Prediction, Record
+from prefixcache.scheduler.classify import Prediction, Record
 from prefixcache.engine.scoring import LabelScores
 
 SCORES = LabelScores(("a", "b"), (-0.1, -2.4))

@@ -25,10 +25,10 @@ from prefixcache.engine import label_pass, scoring
 from prefixcache.engine.label_trie import LabelTrie
 from prefixcache.engine.per_label import score_per_label
 from prefixcache.engine.rows import empty_prefix
-from prefixcache.engine.scoring import LabelHead
+from prefixcache.engine.scoring import LabelScorer
 from prefixcache.model.load import build_random_model
-from prefixcache.spec.prompt import build_prompt
-from prefixcache.spec.task import parse_task
+from prefixcache.task.prompt import build_prompt
+from prefixcache.task.definition import parse_task
 
 from conftest import TASK_YAML, make_tokenizer, tiny_config
 
@@ -136,8 +136,8 @@ def _model(arch: str, layers: int, kv_heads: int, seed: int) -> torch.nn.Module:
     return build_random_model(type(base).from_dict(config), seed=seed)
 
 
-def _head(model, label_ids: dict, label_pass: str = "trie") -> LabelHead:
-    return LabelHead(model, dataclasses.replace(_prompt(), label_ids=label_ids), "full", label_pass)
+def _head(model, label_ids: dict, label_pass: str = "trie") -> LabelScorer:
+    return LabelScorer(model, dataclasses.replace(_prompt(), label_ids=label_ids), "full", label_pass)
 
 
 @st.composite
@@ -188,8 +188,8 @@ def test_many_labels_and_rows_stay_within_the_token_budget_and_the_normalizer_ch
         return forward(*a, **k)
 
     monkeypatch.setattr(model.model, "forward", counted)
-    vocab = LabelHead.vocab_logprobs
-    monkeypatch.setattr(LabelHead, "vocab_logprobs", lambda self, h: seen_rows.append(h.shape[:-1].numel()) or vocab(self, h))
+    vocab = LabelScorer.vocab_logprobs
+    monkeypatch.setattr(LabelScorer, "vocab_logprobs", lambda self, h: seen_rows.append(h.shape[:-1].numel()) or vocab(self, h))
     monkeypatch.setattr(scoring, "LOGIT_BYTES", 4 * len(make_tokenizer()) * 48)  # 48 rows of logits at a time
     head = _head(model, labels)
     assert head.normalizer_rows == 48 and len(head.trie.whole) > 48
@@ -215,8 +215,8 @@ def test_edge_logprobs_hold_whole_rows_of_logits_up_to_the_normalizer_and_at_lea
     whole = head.edge_logprobs(hidden, part)  # the default normalizer holds every row at once
 
     chunks = []
-    vocab = LabelHead.vocab_logprobs
-    monkeypatch.setattr(LabelHead, "vocab_logprobs", lambda self, h: chunks.append(h.shape[0]) or vocab(self, h))
+    vocab = LabelScorer.vocab_logprobs
+    monkeypatch.setattr(LabelScorer, "vocab_logprobs", lambda self, h: chunks.append(h.shape[0]) or vocab(self, h))
     positions = 2 * (1 + len(part)) if rows_at_once == 2 else 1
     monkeypatch.setattr(scoring, "LOGIT_BYTES", 4 * head._weight.shape[0] * positions)
     assert head.normalizer_rows == positions

@@ -41,10 +41,10 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
     """Storage (cache/) importing the record loop (run/), as quant.py once did inside a function."""
     package = copy_project(tmp_path)
     layouts = package / "cache" / "layouts.py"
-    layouts.write_text(layouts.read_text() + "\n\ndef _upward():\n    from ..run.classify import Classifier\n\n    return Classifier\n")
+    layouts.write_text(layouts.read_text() + "\n\ndef _upward():\n    from ..scheduler.classify import Classifier\n\n    return Classifier\n")
     result = lint(tmp_path, tmp_path / "src")
     assert result.returncode != 0, f"an upward import passed the contract:\n{result.stdout}"
-    assert "prefixcache.cache.layouts -> prefixcache.run.classify" in result.stdout, result.stdout
+    assert "prefixcache.cache.layouts -> prefixcache.scheduler.classify" in result.stdout, result.stdout
     assert str(tmp_path) in lint_origin(tmp_path), "lint-imports read the copy, not the installed package"
 
 

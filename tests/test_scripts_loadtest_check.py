@@ -14,7 +14,7 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
-from prefixcache.run.classify import Prediction
+from prefixcache.scheduler.classify import Prediction
 from prefixcache.engine.scoring import LabelScores
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "loadtest.py"

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixcache.run.classify import Classifier, Record, RunConfig
+from prefixcache.scheduler.classify import Classifier, Record, RunConfig
 from prefixcache.server import ServerSettings, ServerThread, create_app
 from prefixcache.server.settings import API_KEY_ENV
 
@@ -466,14 +466,14 @@ def test_cli_serve_never_trusts_remote_code_unless_told(loaded, tmp_path, monkey
 
     import prefixcache.cli.app
     import prefixcache.cli.loading
-    import prefixcache.server.run
+    import prefixcache.server.launch
 
     task_file = tmp_path / "task.yaml"
     task_file.write_text(TASK_YAML)
     calls = []
-    monkeypatch.setattr(prefixcache.cli.loading, "load_model", lambda spec, dtype, threads, **kw: calls.append(kw) or loaded)
+    monkeypatch.setattr(prefixcache.cli.loading, "open_model", lambda spec, dtype, threads, **kw: calls.append(kw) or loaded)
     served = []
-    monkeypatch.setattr(prefixcache.server.run, "run_server", lambda loaded, tasks, settings, level: served.append((tasks, settings)))
+    monkeypatch.setattr(prefixcache.server.launch, "run_server", lambda loaded, tasks, settings, level: served.append((tasks, settings)))
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     runner = CliRunner()
     for extra, trusted in (([], False), (["--trust-remote-code"], True)):
@@ -513,7 +513,7 @@ def test_web_page_in_headless_chromium(loaded, task, tmp_path, monkeypatch):
 
     from conftest import EXTRACT_YAML
 
-    from prefixcache.spec.task import parse_task
+    from prefixcache.task.definition import parse_task
 
     extract_task = parse_task(EXTRACT_YAML, "tiny-fields.yaml", kinds=("extract",))
     auth = {"Authorization": "Bearer page-key"}

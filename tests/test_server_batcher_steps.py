@@ -166,8 +166,8 @@ def test_the_hook_is_cleared_while_it_runs_and_gone_after_the_block():
 def test_generation_gives_the_same_tokens_whatever_runs_between_its_steps(tiny_llama, decodes):
     from prefixcache.engine.generate import GenerationConfig, generate_rows
     from prefixcache.cache.kv import PrefixKV
-    from prefixcache.run.classify import Classifier, records_from_texts
-    from prefixcache.spec.task import parse_task
+    from prefixcache.scheduler.classify import Classifier, records_from_texts
+    from prefixcache.task.definition import parse_task
     from conftest import TASK_YAML, TEXTS
 
     tok = tiny_llama.tokenizer

@@ -16,7 +16,7 @@ from prefixcache.server import service as service_module
 from prefixcache.server.prometheus import Metrics
 from prefixcache.server.service import Service
 from prefixcache.server.settings import ServerSettings
-from prefixcache.spec.task import parse_task
+from prefixcache.task.definition import parse_task
 from prefixcache.types import Record
 
 from conftest import TASK_YAML, tiny_loaded

@@ -15,11 +15,11 @@ from importlib import resources
 
 import pytest
 
-from prefixcache.run.extract import Extractor
+from prefixcache.scheduler.extract import Extractor
 from prefixcache.cache.pool import PoolConfig, PrefixPool
-from prefixcache.run.classify import Classifier, Record, RunConfig
+from prefixcache.scheduler.classify import Classifier, Record, RunConfig
 from prefixcache.server import ServerSettings
-from prefixcache.spec.task import ExtractTask, load_any_task, parse_task
+from prefixcache.task.definition import ExtractTask, load_any_task, parse_task
 
 from conftest import EXTRACT_YAML as CONFTEST_EXTRACT_YAML
 from conftest import TASK_YAML, TEXTS

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from prefixcache.server import ServerSettings, ServerThread, create_app
-from prefixcache.spec.task import parse_task
+from prefixcache.task.definition import parse_task
 
 from conftest import EXTRACT_YAML, TASK_YAML, tiny_loaded
 

@@ -22,7 +22,7 @@ from prefixcache.errors import SettingsError, TaskError
 from prefixcache.server import ServerSettings, create_app
 from prefixcache.server.prometheus import Metrics
 from prefixcache.server.settings import ADMIN_KEY_ENV, API_KEY_ENV
-from prefixcache.spec.task import parse_task
+from prefixcache.task.definition import parse_task
 
 from conftest import EXTRACT_YAML, TASK_YAML, tiny_loaded
 

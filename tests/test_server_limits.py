@@ -22,12 +22,12 @@ from fastapi.testclient import TestClient
 from prefixcache.cache.kv import PrefixKV
 from prefixcache.cache.pool import PrefixPool
 from prefixcache.errors import SettingsError, TaskError
-from prefixcache.run.classify import Classifier
-from prefixcache.run.extract import Extractor
+from prefixcache.scheduler.classify import Classifier
+from prefixcache.scheduler.extract import Extractor
 from prefixcache.server import ServerSettings, create_app
-from prefixcache.spec import task as task_module
-from prefixcache.spec import yaml_source
-from prefixcache.spec.task import parse_task
+from prefixcache.task import definition as task_module
+from prefixcache.task import yaml_source
+from prefixcache.task.definition import parse_task
 
 from conftest import EXTRACT_YAML, TASK_YAML, tiny_loaded
 

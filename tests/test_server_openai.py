@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from prefixcache.server import ServerSettings, ServerThread, create_app
-from prefixcache.spec.prompt import SENTINEL, input_lead, render_messages
+from prefixcache.task.prompt import SENTINEL, input_lead, render_messages
 
 from conftest import TASK_YAML, TEXTS, tiny_loaded
 from test_server_app import call, metric, metric_samples

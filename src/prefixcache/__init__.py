@@ -17,15 +17,15 @@ import importlib
 
 # public name -> the module that defines it
 _LAZY = {
-    "Classifier": ".run.classify",
+    "Classifier": ".scheduler.classify",
     "Mode": ".types",
     "Prediction": ".types",
     "PrefixCacheError": ".errors",
     "Record": ".types",
     "RunConfig": ".types",
-    "Task": ".spec.task",
+    "Task": ".task.definition",
     "load_model": ".model.load",
-    "load_task": ".spec.task",
+    "load_task": ".task.definition",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,7 +1,7 @@
 """Domain errors: every failure a user can cause or fix has a type here.
 
 This module is the one home of error types. Two boundaries turn them into user-facing answers:
-the CLI (:mod:`prefixcache.cli.boundary`: a message and exit code 2) and the HTTP app
+the CLI (:mod:`prefixcache.cli.errors`: a message and exit code 2) and the HTTP app
 (``server/app.py``: a JSON body and a status code, chosen there by type). Each message says what
 went wrong *and what to do next*, in neutral terms (the library's setting names, not a CLI flag);
 a boundary adds its own wording. Set ``PREFIXCACHE_DEBUG=1`` to make either re-raise instead.

@@ -39,8 +39,8 @@ class Mode(StrEnum):
 
 
 MODES = tuple(m.value for m in Mode)  # ("full", "cached", "batched"): the CLI's choices
-OVERFLOW = ("error", "truncate")  # what happens to a record past the model's context (spec/context.py)
-METHODS = ("auto", "first-token", "full")  # label scoring methods (spec/prompt.py resolves auto)
+OVERFLOW = ("error", "truncate")  # what happens to a record past the model's context (task/context.py)
+METHODS = ("auto", "first-token", "full")  # label scoring methods (task/prompt.py resolves auto)
 
 # Defaults every entry point shares: the CLI's options, the library's keyword arguments and the Ray
 # workers read them from here, so no default is typed twice.

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 from ..eval.verify_extract import compare_extractions
-from ..run.extract import Extraction, ExtractStats, Extractor
+from ..scheduler.extract import Extraction, ExtractStats, Extractor
 from ..types import Mode, Record, RunConfig
 from .lanes import BenchReport, ModeResult, dtype_name
 from .options import BenchOptions
@@ -112,7 +112,7 @@ def run_extract_bench(options: BenchOptions, log: Callable[[str], None] = print)
     identical outputs); the document's ``extract`` list holds time-to-first-token and tokens/s per lane.
     """
     from ..model.load import load_model, load_random_model, set_threads
-    from ..spec.task import load_any_task
+    from ..task.definition import load_any_task
     from .workload import ticket_records
 
     task = load_any_task(options.task)

@@ -19,9 +19,9 @@ from ..engine.head_file import describe_head, head_for
 from ..errors import InputError, setting
 from ..eval.fit_head import fit_head
 from ..model.load import LoadedModel
-from ..run.classify import Classifier
-from ..run.features import collect_features
-from ..spec.task import Task
+from ..scheduler.classify import Classifier
+from ..scheduler.feature_pass import collect_features
+from ..task.definition import Task
 from ..types import LABEL_FIELD, Record
 from .lanes import Lane, classifier_lane
 

@@ -12,8 +12,8 @@ import torch
 from ..model.load import LoadedModel, load_model, load_random_model, resolve_device, resolve_dtype, set_threads
 from ..engine.head_file import load_head
 from ..errors import InputError, setting
-from ..run.classify import Classifier
-from ..spec.task import ExtractTask, load_any_task, load_task
+from ..scheduler.classify import Classifier
+from ..task.definition import ExtractTask, load_any_task, load_task
 from .extract_lanes import run_extract_bench
 from .head_lanes import FIT, bench_head, gold_labels, head_document, head_lanes, without_head
 from .lanes import BenchReport, Lane, classifier_lane, dtype_name, run_lanes, same_dtype_copy, sweep_prefix

@@ -23,8 +23,8 @@ from ..cache.config import PoolConfig
 from ..cache.pool import PrefixPool
 from ..engine.label_trie import LabelTrie
 from ..model.load import LoadedModel
-from ..run.classify import Classifier
-from ..spec.task import Task
+from ..scheduler.classify import Classifier
+from ..task.definition import Task
 from ..types import LABEL_FIELD, Record
 from .head_lanes import FIT, bench_head, fit_bench_head, without_head
 from .lanes import Lane, classifier_lane, nonembedding_params, run_lanes

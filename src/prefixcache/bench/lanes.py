@@ -24,7 +24,7 @@ import torch
 
 from ..eval.verify import compare
 from ..model.load import LoadedModel
-from ..run.classify import Classifier, warmup
+from ..scheduler.classify import Classifier, warmup
 from ..types import Mode, Prediction, Record, RunConfig, RunStats
 from .memory import PeakRSS
 from .roofline import matmul_peak_gflops  # noqa: F401  (re-exported: scripts/loadtest.py imports it from here)

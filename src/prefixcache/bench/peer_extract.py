@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from ..engine.generate import Generation, GenerationConfig, RowOutput
-from ..run.extract import Extraction, ExtractStats, Extractor
+from ..scheduler.extract import Extraction, ExtractStats, Extractor
 from ..types import Record
 from .peers import last_logits, open_llama, record_evaluated
 

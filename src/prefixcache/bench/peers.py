@@ -17,8 +17,8 @@ import torch
 
 from .lanes import Lane
 from ..model.load import EMBEDDED, embedded_gguf
-from ..run.classify import Classifier
-from ..spec.prompt import Encoded
+from ..scheduler.classify import Classifier
+from ..task.prompt import Encoded
 from ..types import LabelScores, Prediction, Record, RunStats
 
 

@@ -1,6 +1,6 @@
 """Plots for benchmark results (matplotlib, headless). Each function writes one PNG and returns its path.
 
-The evaluation's plots (confusion matrix, example sweep) are :mod:`prefixcache.eval.plots`.
+The evaluation's plots (confusion matrix, example sweep) are :mod:`prefixcache.eval.report_plots`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ..eval.plots import wrap_title  # noqa: E402
+from ..eval.report_plots import wrap_title  # noqa: E402
 from .lanes import ModeResult, SweepPoint  # noqa: E402
 
 

@@ -13,9 +13,9 @@ import random
 
 from ..errors import InputError, setting
 from ..io.records import read_records
-from ..spec.prompt import build_prompt
+from ..task.prompt import build_prompt
 from ..types import LABEL_FIELD, TEXT_FIELD, Record
-from ..spec.task import Example, Task
+from ..task.definition import Example, Task
 from ..datasets.tickets import generate_tickets
 
 EXAMPLE_POOL_SEED = 7  # the example pool's seed; evaluation records use seed 0

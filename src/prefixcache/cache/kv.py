@@ -6,8 +6,8 @@ tokens for batch size 1. It is never written after it is built.
 A batch does not copy the prefix. :meth:`PrefixKV.fork` returns a
 :class:`ForkedCache`, a transformers ``Cache`` whose layers keep the shared
 prefix tensors by reference and store only the batch's *own* tokens. On every
-attention call a layer hands the attention a :class:`~prefixcache.cache.attention.SharedKV`
-(prefix + own), and :mod:`prefixcache.cache.attention` reads the single prefix copy
+attention call a layer hands the attention a :class:`~prefixcache.attention.shared_prefix.SharedKV`
+(prefix + own), and :mod:`prefixcache.attention.shared_prefix` reads the single prefix copy
 for all rows: neither memory nor work per batch ever holds ``B x prefix``.
 
 Forks of one prefix are independent: each has its own suffix state, so any
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from .attention import Packing, SharedKV, use_shared_prefix_attention
+from ..attention.shared_prefix import Packing, SharedKV, use_shared_prefix_attention
 from ..errors import PromptError
 
 
@@ -95,7 +95,7 @@ class PrefixKV:
             digest.update(raw.reshape(-1).view(torch.uint8).numpy().tobytes())  # bytes, so bfloat16 works too
         return digest.hexdigest()
 
-    def head(self, length: int) -> PrefixKV:
+    def leading(self, length: int) -> PrefixKV:
         """The first ``length`` tokens as *views* of this prefix (no copy; exact, since attention is causal).
 
         A view keeps the whole of this prefix's storage alive; call :meth:`copy` to own only the head.
@@ -104,7 +104,7 @@ class PrefixKV:
             ValueError: ``length`` is not in ``0..self.length``.
         """
         if not 0 <= length <= self.length:
-            raise ValueError(f"head({length}) of a {self.length}-token prefix")
+            raise ValueError(f"leading({length}) of a {self.length}-token prefix")
         return PrefixKV(
             self.token_ids[:length],
             tuple(k[..., :length, :] for k in self.keys),  # each [1, kv_heads, length, head_dim]

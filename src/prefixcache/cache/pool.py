@@ -317,7 +317,7 @@ class PrefixPool:
             return PrefixKV.build(loaded.model, ids), "computed", len(ids)
         self._count.partial_reuses += 1
         self._policy.access(donor.key.digest)
-        base = self.storage.unpack(donor.packed, loaded.dtype).head(shared)
+        base = self.storage.unpack(donor.packed, loaded.dtype).leading(shared)
         if shared == len(ids):
             return base.copy(), "extended", 0
         return base.extend(loaded.model, ids[shared:]), "extended", len(ids) - shared

@@ -2,7 +2,7 @@
 
 Importing this module imports no torch, transformers or engine module: each command imports those
 in its body when it runs, so ``--help``, ``tasks``, ``models`` and ``cache ls`` answer at once.
-Each command is wrapped in :func:`~prefixcache.cli.boundary.boundary`, the one place where domain
+Each command is wrapped in :func:`~prefixcache.cli.errors.reported`, the one place where domain
 errors become messages and exit codes.
 """
 

@@ -11,7 +11,7 @@ import typer
 
 from ..bench.options import SWEEP_TARGETS, BenchOptions
 from ..model.catalog import DTYPE_CHOICES
-from .boundary import boundary, choice, err, out, output_path
+from .errors import reported, choice, err, out, output_path
 from .loading import quiet_transformers
 from .options import DtypeOpt, ThreadsOpt
 from .reports import timing_table
@@ -19,7 +19,7 @@ from .reports import timing_table
 BENCH = BenchOptions()
 
 
-@boundary
+@reported
 def bench(
     task: str = typer.Option(BENCH.task, "--task", help="Task whose prefix is cached (default: ~145 tokens, 3 labels)."),
     items: int = typer.Option(BENCH.items, "--items", min=1, help="Number of records (synthetic tickets of 20-35 tokens, or --records rows)."),

@@ -10,14 +10,14 @@ from rich.table import Table
 
 from ..cache.config import format_bytes
 from ..cache.manifest import DiskFolder
-from .boundary import boundary, err, out
+from .errors import reported, err, out
 
 cache_app = typer.Typer(no_args_is_help=True, help="The prefix pool's disk tier (--cache-dir): list or clear stored prefixes.")
 CacheDirArg = typer.Option(..., "--cache-dir", help="The folder given to --cache-dir.")
 
 
 @cache_app.command("ls")
-@boundary
+@reported
 def cache_ls(cache_dir: Path = CacheDirArg, as_json: bool = typer.Option(False, "--json", help="One JSON object per line.")):
     """List stored prefixes with their manifests (headers only; data is not read), and the folder's budget
     (with --json, on every line as budget_bytes, null for none)."""
@@ -43,7 +43,7 @@ def cache_ls(cache_dir: Path = CacheDirArg, as_json: bool = typer.Option(False, 
 
 
 @cache_app.command("clear")
-@boundary
+@reported
 def cache_clear(cache_dir: Path = CacheDirArg):
     """Delete every stored prefix in the folder (other files and the folder's budget are kept).
 

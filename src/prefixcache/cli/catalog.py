@@ -5,14 +5,14 @@ from __future__ import annotations
 from rich.table import Table
 
 from ..model.catalog import DEFAULT_MODEL, EMBEDDED
-from .boundary import boundary, out
+from .errors import reported, out
 
 
-@boundary
+@reported
 def tasks():
     """List the bundled tasks."""
-    from ..spec.selection import resolve_examples
-    from ..spec.task import ExtractTask, bundled_task_names, load_any_task
+    from ..task.selection import resolve_examples
+    from ..task.definition import ExtractTask, bundled_task_names, load_any_task
 
     table = Table(title="bundled tasks (pass --task NAME or --task path/to/task.yaml)")
     for col in ("name", "kind", "labels / fields", "examples", "input template"):

@@ -11,7 +11,7 @@ import typer
 
 from ..io.journal import ON_ERROR
 from ..types import DEFAULT_WORKERS, METHODS, MODES, OVERFLOW, RunConfig
-from .boundary import boundary, choice, err, flag, given, open_output, output_path
+from .errors import reported, choice, err, flag, given, open_output, output_path
 from .loading import check_text_field, make_pool, progress, record_folder_budget, setup_classifier
 from .options import (
     RUN, BatchOpt, CacheBudgetOpt, CacheDirBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, HeadOpt, IdFieldOpt, KVStorageOpt,
@@ -29,7 +29,7 @@ NOT_WITH_RAY = {  # classify options that a Ray run cannot honour, and why
 }
 
 
-@boundary
+@reported
 def classify(
     ctx: typer.Context,
     input: str = typer.Argument(..., help="Input .csv, .jsonl, .parquet (with --ray also a folder or URI), or - for JSONL on stdin."),
@@ -150,7 +150,7 @@ def task_with_head(task: str, head: Optional[Path]):
     if head is None:
         return task
     from ..engine.head_file import load_head
-    from ..spec.task import load_task
+    from ..task.definition import load_task
 
     load_head(head)  # a bad head file is refused here, before Ray starts
     return load_task(task).model_copy(update={"head": str(Path(head).resolve())})
@@ -158,9 +158,9 @@ def task_with_head(task: str, head: Optional[Path]):
 
 def classify_on_ray(input, task, model, config: RunConfig, method, text_field, id_field, out_path, dtype, threads,
                     cache_dir, ray_address, workers, num_gpus) -> None:
-    """``classify --ray``: the job is :func:`prefixcache.dist.run_ray_classify`; it prints the summary
+    """``classify --ray``: the job is :func:`prefixcache.scaleout.run_ray_classify`; it prints the summary
     (items/s per worker and in total) through ``log``, on standard error, and the exit code follows its errors."""
-    from ..dist import run_ray_classify
+    from ..scaleout import run_ray_classify
     from ..model.catalog import DTYPE_CHOICES
 
     def log(line: str) -> None:

@@ -17,14 +17,14 @@ import typer
 from rich.console import Console
 
 from ..types import DEFAULT_TASK, Mode, RunConfig, RunStats
-from .boundary import boundary, err, out
+from .errors import reported, err, out
 from .demo_head import fitted_head_section
 from .loading import setup_classifier
 from .options import BatchOpt, DtypeOpt, ModelOpt, ThreadsOpt
 from .reports import timing_table
 
 
-@boundary
+@reported
 def demo(
     model: str = ModelOpt,
     dtype: str = DtypeOpt,
@@ -45,7 +45,7 @@ def float32_twin(classifier):
     import torch
 
     from ..bench.lanes import same_dtype_copy
-    from ..run.classify import Classifier
+    from ..scheduler.classify import Classifier
 
     if classifier.loaded.dtype == torch.float32:
         return classifier

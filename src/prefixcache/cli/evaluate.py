@@ -7,14 +7,14 @@ from typing import Optional
 
 import typer
 
-from .boundary import boundary, err, out, output_path
+from .errors import reported, err, out, output_path
 from .loading import check_text_field, setup_classifier
 from .options import (
     BatchOpt, DtypeOpt, HeadOpt, IdFieldOpt, LabelFieldOpt, MethodOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt,
 )
 
 
-@boundary
+@reported
 def eval_(
     input: str = typer.Argument(..., help="Labelled input .csv, .jsonl, .parquet, or - for JSONL on stdin."),
     task: str = TaskOpt,
@@ -44,7 +44,7 @@ def eval_(
     from ..eval.evaluate import parse_steps, plan_eval, run_eval
     from ..eval.report import check_plotting, emit
     from ..io import records as data
-    from ..spec.task import load_task
+    from ..task.definition import load_task
 
     if plot:
         output_path(plot, "--plot")

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from ..types import DEFAULT_EXTRACT_TASK, MODES, RunConfig
-from .boundary import boundary, choice, err, open_output, output_path
+from .errors import reported, choice, err, open_output, output_path
 from .loading import check_text_field, make_pool, progress, setup_extractor
 from .options import (
     BatchOpt, CacheBudgetOpt, CacheDirBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, IdFieldOpt, InputArg, KVStorageOpt,
@@ -19,7 +19,7 @@ from .options import (
 from .reports import report_pool
 
 
-@boundary
+@reported
 def extract(
     input: str = InputArg,
     task: str = typer.Option(DEFAULT_EXTRACT_TASK, "--task", help="A bundled extraction task or a path to a task YAML (kind: extract)."),
@@ -70,7 +70,7 @@ def extract_into(extractor, input: str, text_field: str, id_field: Optional[str]
     A row that cannot be read (not UTF-8, not JSON, no usable id) gets an error line and the job goes on."""
     from ..io import records as data
     from ..io.jsonl import write_line
-    from ..run.extract import ExtractStats
+    from ..scheduler.extract import ExtractStats
 
     total = data.count_rows(input)  # a cheap pass for the progress bar; the job itself streams
     # bad rows come through with their error (an error line naming the row and field), like classify's

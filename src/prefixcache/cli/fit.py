@@ -8,14 +8,14 @@ from typing import Optional
 
 import typer
 
-from .boundary import boundary, err, out, output_path
+from .errors import reported, err, out, output_path
 from .loading import load, progress
 from ..types import DEFAULT_FEATURE
 from .options import BatchOpt, DtypeOpt, IdFieldOpt, LabelFieldOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt
 
 
 
-@boundary
+@reported
 def fit(
     train: str = typer.Argument(..., help="Labelled training rows: .csv, .jsonl, .parquet, or - for JSONL on stdin."),
     task: str = TaskOpt,
@@ -47,7 +47,7 @@ def fit(
     from ..eval.fit_curve import parse_shots
     from ..eval.report import check_plotting
     from ..io import records as data
-    from ..spec.task import load_task
+    from ..task.definition import load_task
 
     output_path(out_path, "--out")
     if plot:
@@ -68,7 +68,7 @@ def fit(
 
 def _features(loaded, task, records, feature: str, batch_size: int):
     """Every row's features, with a progress bar; refuses rows that cannot run, naming them."""
-    from ..run.features import collect_features
+    from ..scheduler.feature_pass import collect_features
 
     started = time.perf_counter()
     with progress(len(records), "features") as bar:
@@ -92,7 +92,7 @@ def _report(result, features, points, task, loaded, batch_size: int, ms_per_item
 
     from ..eval.fit_report import as_eval_result, curve_table, fit_document, fit_table, plot_curve
     from ..eval.report import eval_tables, title
-    from ..spec.prompt import build_prompt
+    from ..task.prompt import build_prompt
 
     prompt = build_prompt(task, loaded.tokenizer)
     evaluated = None
@@ -109,7 +109,7 @@ def _report(result, features, points, task, loaded, batch_size: int, ms_per_item
             out.print(curve_table(points))
     if plot is None:
         return
-    from ..eval.plots import plot_confusion
+    from ..eval.report_plots import plot_confusion
 
     if evaluated is not None:
         err.print(f"wrote {plot_confusion(evaluated, plot, title(evaluated) + ' | cross-validated')}")

@@ -19,11 +19,11 @@ from ..cache.config import STORAGE_NAMES, PoolConfig, parse_bytes
 from ..cache.eviction import POLICIES
 from ..model.catalog import DTYPE_CHOICES
 from ..types import METHODS
-from .boundary import choice, err, parsed
+from .errors import choice, err, parsed
 from .options import POOL
 
 
-def load_model(spec: str, dtype: str, threads: Optional[int], **kwargs):
+def open_model(spec: str, dtype: str, threads: Optional[int], **kwargs):
     """:func:`prefixcache.model.load.load_model`, imported when a command first loads a model."""
     from ..model.load import load_model as load
 
@@ -42,7 +42,7 @@ def load(model: str, dtype: str, threads: Optional[int], trust_remote_code: bool
     dtype = choice(dtype, DTYPE_CHOICES, "--dtype")
     quiet_transformers()
     started = time.perf_counter()
-    loaded = load_model(model, dtype, threads, trust_remote_code=trust_remote_code)
+    loaded = open_model(model, dtype, threads, trust_remote_code=trust_remote_code)
     seconds = time.perf_counter() - started
     err.print(f"model {loaded.identity} ({str(loaded.dtype).removeprefix('torch.')}) loaded in {seconds:.1f} s")
     return loaded
@@ -50,12 +50,12 @@ def load(model: str, dtype: str, threads: Optional[int], trust_remote_code: bool
 
 def setup_classifier(task: str, model: str, dtype: str, threads: Optional[int], method: str, pool=None,
                      head: Optional[Path] = None):
-    """A :class:`~prefixcache.run.classify.Classifier` of ``--task`` on ``--model``, scoring through ``--head``
+    """A :class:`~prefixcache.scheduler.classify.Classifier` of ``--task`` on ``--model``, scoring through ``--head``
     (or the task file's ``head:``) when there is one. The head file is read before the model loads."""
     from ..engine.head_file import head_for
 
-    from ..run.classify import Classifier
-    from ..spec.task import load_task
+    from ..scheduler.classify import Classifier
+    from ..task.definition import load_task
 
     method = choice(method, METHODS, "--method")
     spec = load_task(task)
@@ -64,17 +64,17 @@ def setup_classifier(task: str, model: str, dtype: str, threads: Optional[int], 
 
 
 def is_extract(task: str) -> bool:
-    from ..spec.task import ExtractTask, load_any_task
+    from ..task.definition import ExtractTask, load_any_task
 
     return isinstance(load_any_task(task), ExtractTask)
 
 
 def setup_extractor(task: str, model: str, dtype: str, threads: Optional[int], pool, max_new_tokens: Optional[int] = None,
                     constrained: bool = True):
-    """An :class:`~prefixcache.run.extract.Extractor` of ``--task`` (which must be an extraction task), decoding
+    """An :class:`~prefixcache.scheduler.extract.Extractor` of ``--task`` (which must be an extraction task), decoding
     under the task's answer schema unless ``constrained`` is False."""
-    from ..run.extract import Extractor
-    from ..spec.task import ExtractTask, load_any_task
+    from ..scheduler.extract import Extractor
+    from ..task.definition import ExtractTask, load_any_task
 
     spec = load_any_task(task)
     if not isinstance(spec, ExtractTask):

@@ -10,7 +10,7 @@ import json
 from rich.table import Table
 
 from ..cache.config import format_bytes
-from .boundary import err, out
+from .errors import err, out
 
 
 def timing_table(results: list, title: str) -> Table:

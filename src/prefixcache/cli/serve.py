@@ -11,12 +11,12 @@ from ..errors import ExtraNotInstalledError
 from ..server.settings import DEFAULT_LOG_LEVEL, LOG_LEVELS, ServerSettings
 from ..server.settings import DEFAULTS as SERVER
 from ..types import DEFAULT_TASK, METHODS
-from .boundary import boundary, choice, parsed
+from .errors import reported, choice, parsed
 from .loading import load
 from .options import DtypeOpt, MethodOpt, ModelOpt, ThreadsOpt
 
 
-@boundary
+@reported
 def serve(
     task: list[str] = typer.Option([DEFAULT_TASK], "--task", help="A bundled task name or a YAML path; repeat for more."),
     model: str = ModelOpt,
@@ -58,7 +58,7 @@ def serve(
 
     Needs the 'serve' extra: pip install 'prefixcache[serve]'.
     """
-    from ..spec.task import load_any_task
+    from ..task.definition import load_any_task
 
     run_server = server_runner()
     log_level = choice(log_level, LOG_LEVELS, "--log-level")
@@ -75,13 +75,13 @@ def serve(
 
 
 def server_runner():
-    """:func:`prefixcache.server.run.run_server`, or a clear error when the 'serve' extra is not installed."""
+    """:func:`prefixcache.server.launch.run_server`, or a clear error when the 'serve' extra is not installed."""
     try:
-        from ..server import run
+        from ..server import launch
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] not in ("fastapi", "uvicorn", "starlette", "prometheus_client"):
             raise
         raise ExtraNotInstalledError(
             f"serve needs the 'serve' extra ({exc.name} is missing): pip install 'prefixcache[serve]'"
         ) from None
-    return run.run_server
+    return launch.run_server

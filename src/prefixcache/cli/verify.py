@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..types import Mode, RunConfig
-from .boundary import boundary, choice
+from .errors import reported, choice
 from .loading import check_text_field, is_extract, make_pool, progress, setup_classifier, setup_extractor
 from .options import (
     BatchOpt, CacheBudgetOpt, CacheDirBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, IdFieldOpt, InputArg, JsonOpt,
@@ -19,7 +19,7 @@ from .reports import report_agreement, report_pool, report_storage, some_ids
 CACHED_MODES = tuple(m.value for m in Mode if m.uses_prefix)  # what verify checks against full
 
 
-@boundary
+@reported
 def verify(
     input: str = InputArg,
     task: str = TaskOpt,

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from ..cache.attention import Packing, use_shared_prefix_attention
+from ..attention.shared_prefix import Packing, use_shared_prefix_attention
 from ..cache.kv import PrefixKV
 from ..errors import InputError
 
@@ -149,7 +149,7 @@ def packed_features(
     model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]], own_starts: Sequence[int], spec: FeatureSpec
 ) -> RowStates:
     """Run ``rows`` after ``prefix`` laid end to end (as :func:`~prefixcache.engine.rows.last_hidden_packed`)
-    and pool each row's states as ``spec`` says.
+    and pool each row's states as ``task`` says.
 
     Args:
         own_starts: per row, the first of its tokens that ``mean`` averages over (0 for a row fed after

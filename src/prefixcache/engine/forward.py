@@ -23,12 +23,12 @@ from ..cache.kv import PrefixKV
 from .label_pass import score_whole_labels
 from .per_label import score_per_label
 from .rows import last_hidden_packed, run_padded
-from .scoring import LabelHead
+from .scoring import LabelScorer
 
 __all__ = ["score_rows"]
 
 
-def score_rows(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]], head: LabelHead) -> torch.Tensor:
+def score_rows(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]], head: LabelScorer) -> torch.Tensor:
     """Score each row as the continuation of ``prefix``. Returns label-normalized log-probs ``[B, L]``.
 
     First-token scoring reads each row's last hidden state: rows of unequal length run packed

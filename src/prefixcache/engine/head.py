@@ -22,7 +22,7 @@ import torch
 
 from ..cache.kv import PrefixKV
 from .features import FeatureSpec, packed_features
-from .scoring import LabelHead
+from .scoring import LabelScorer
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,7 +110,7 @@ def head_rows(
     rows: Sequence[Sequence[int]],
     own_starts: Sequence[int],
     head: FittedHead,
-    label_rows: LabelHead,
+    label_rows: LabelScorer,
 ) -> torch.Tensor:
     """Score rows after ``prefix`` through a fitted head: one packed pass, then one ``[B, F] x [F, L]`` product
     (plus the prompt's ``[B, H] x [H, L]`` label rows for a head on the prompt). Returns log-probs ``[B, L]``.

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, safe_open, save_file
 
 from ..cache.disk import token_hash
 from ..errors import HeadMismatchError, InputError, setting
-from ..spec.selection import normalize_text
+from ..task.selection import normalize_text
 from .head import FittedHead
 
 FORMAT = "prefixcache-head/1"
@@ -42,7 +42,7 @@ VERSIONED = {"prefixcache": "prefixcache", "torch": "torch", "transformers": "tr
 
 def text_hash(fields: Mapping[str, object], names: Sequence[str]) -> str:
     """SHA-256 of a row's normalized text: its ``names`` fields, each normalized
-    (:func:`~prefixcache.spec.selection.normalize_text`: case-folded, punctuation dropped, spaces collapsed),
+    (:func:`~prefixcache.task.selection.normalize_text`: case-folded, punctuation dropped, spaces collapsed),
     joined by newlines. Two rows that ``eval`` would call the same text get the same hash."""
     text = "\n".join(normalize_text(str(fields.get(name, ""))) for name in names)
     return hashlib.sha256(text.encode()).hexdigest()

@@ -10,7 +10,7 @@ for every record at once. So:
   at the position it would have as the label's next token, so its hidden state is exactly the one
   a label-by-label continuation would compute;
 * the full-vocabulary normalizer is taken once per trie node, in chunks, and only the log-probs
-  of the trie's edges are kept (:meth:`LabelHead.edge_logprobs`).
+  of the trie's edges are kept (:meth:`LabelScorer.edge_logprobs`).
 
 Memory is bounded whatever the label count and batch size: records go through in groups of at
 most ``token_budget`` tokens, and a trie larger than a group (or than the normalizer's chunk) is
@@ -26,13 +26,13 @@ import torch
 from ..cache.kv import PrefixKV
 from .label_trie import TriePart
 from .rows import forward_visible, run_padded
-from .scoring import LabelHead
+from .scoring import LabelScorer
 
 TOKEN_BUDGET = 4096  # packed tokens (records + fed nodes) per forward pass
 
 
 def score_whole_labels(
-    model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]], head: LabelHead, token_budget: int = TOKEN_BUDGET
+    model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]], head: LabelScorer, token_budget: int = TOKEN_BUDGET
 ) -> torch.Tensor:
     """Label-normalized log-probs ``[B, L]`` of every whole label after each row (``full`` scoring).
 

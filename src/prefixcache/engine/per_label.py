@@ -14,11 +14,11 @@ import torch
 
 from ..cache.kv import ForkedCache, PrefixKV
 from .rows import forward_rows, pad_rows, run_padded
-from .scoring import LabelHead
+from .scoring import LabelScorer
 
 
 @torch.inference_mode()
-def score_per_label(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]], head: LabelHead) -> torch.Tensor:
+def score_per_label(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]], head: LabelScorer) -> torch.Tensor:
     """Label-normalized log-probs ``[B, L]`` of every whole label after each row (``full`` scoring)."""
     first = run_padded(model, prefix, rows)
     logprobs = head.first_step(first.last)  # [B, L]
@@ -27,7 +27,7 @@ def score_per_label(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Seq
 
 
 def _continuations(
-    model: torch.nn.Module, cache: ForkedCache, past_mask: torch.Tensor, next_pos: torch.Tensor, head: LabelHead
+    model: torch.nn.Module, cache: ForkedCache, past_mask: torch.Tensor, next_pos: torch.Tensor, head: LabelScorer
 ) -> torch.Tensor:
     """Log-probs of every label's tokens after its first, for every row. Returns ``[B, L]``.
 

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from ..cache.attention import Packing, use_shared_prefix_attention
+from ..attention.shared_prefix import Packing, use_shared_prefix_attention
 from ..cache.kv import ForkedCache, KVShape, PrefixKV
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec.label_set import LabelSet
+from ..task.label_set import LabelSet
 from ..types import LabelScores
 from .label_trie import LabelTrie, TriePart
 
@@ -27,7 +27,7 @@ SCORED_METHODS = ("first-token", "full")  # how the prompt's label tokens are sc
 LABEL_PASSES = ("trie", "per-label")  # how ``full`` scoring feeds label tokens: the trie, or the reference
 
 
-class LabelHead:
+class LabelScorer:
     """The output head restricted to what a task needs.
 
     Contract: ``first_token(h)`` and ``first_step(h)`` take ``h: [B, H]`` (hidden

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import InputError
-from ..run.classify import Classifier
+from ..scheduler.classify import Classifier
 from ..types import LabelScores, Record, RunConfig
 
 CONTENT_FREE = ("N/A", "", "[MASK]")

@@ -33,10 +33,10 @@ from ..engine.head_file import head_for, text_hash
 from ..errors import InputError, setting
 from .metrics import Metrics, compute_metrics
 from ..model.load import LoadedModel
-from ..run.classify import Classifier, warmup
+from ..scheduler.classify import Classifier, warmup
 from ..types import Record, RunConfig, RunStats
-from ..spec.selection import first_examples, overlapping_rows, resolve_examples
-from ..spec.task import Task
+from ..task.selection import first_examples, overlapping_rows, resolve_examples
+from ..task.definition import Task
 
 MAX_NAMED_ROWS = 10  # rows named in one error message
 
@@ -140,7 +140,7 @@ def check_no_overlap(data: LabelledRecords, task: Task) -> None:
     """Refuse evaluation rows that are also few-shot examples of ``task`` (same normalized text).
 
     The examples checked are the ones the prompt shows: ``task``'s resolved examples
-    (:func:`~prefixcache.spec.selection.resolve_examples`, as :func:`prefixcache.spec.prompt.build_prompt` renders them).
+    (:func:`~prefixcache.task.selection.resolve_examples`, as :func:`prefixcache.task.prompt.build_prompt` renders them).
 
     Raises:
         InputError: naming every overlapping row (up to :data:`MAX_NAMED_ROWS`) and its text.

@@ -18,7 +18,7 @@ import numpy as np
 from sklearn.model_selection import train_test_split
 
 from ..errors import InputError, setting
-from ..run.features import FeatureSet
+from ..scheduler.feature_pass import FeatureSet
 from .fit_head import fit_head, gold_indices
 
 SHOTS = (1, 2, 5, 10, None)  # rows per label; None: the whole training part

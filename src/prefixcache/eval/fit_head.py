@@ -15,7 +15,7 @@ figures reported (they select ``C`` too, so they lean a little optimistic). The 
 smallest label's row count (at least 2). The head is then refitted on every row (to :data:`TOLERANCE`),
 and the standardization folded into its weights.
 
-This module does not run models or print: features come from :mod:`prefixcache.run.features`.
+This module does not run models or print: features come from :mod:`prefixcache.scheduler.feature_pass`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from threadpoolctl import threadpool_limits
 from ..engine.head import FittedHead, fold_standardization
 from ..engine.head_file import FORMAT, library_versions
 from ..errors import InputError
-from ..run.features import FeatureSet
+from ..scheduler.feature_pass import FeatureSet
 from .metrics import Metrics, compute_metrics
 
 C_GRID = (0.001, 0.01, 0.1, 1.0, 10.0)  # inverse L2 strength, over standardized features

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from rich.table import Table
 
-from ..run.features import FeatureSet
+from ..scheduler.feature_pass import FeatureSet
 from .evaluate import EvalResult
 from .fit_curve import CurvePoint
 from .fit_head import FitResult

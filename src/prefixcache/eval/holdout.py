@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 from sklearn.model_selection import train_test_split
 
-from ..run.features import collect_features
+from ..scheduler.feature_pass import collect_features
 from ..types import DEFAULT_FEATURE
 from .fit_curve import subset
 from .fit_head import FitResult, fit_head

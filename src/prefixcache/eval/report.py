@@ -134,7 +134,7 @@ def emit(
             out.print(table)
     if plot is None:
         return
-    from .plots import plot_confusion, plot_example_sweep
+    from .report_plots import plot_confusion, plot_example_sweep
 
     if sweep:
         first = results[0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from ..run.classify import Classifier
+from ..scheduler.classify import Classifier
 from ..types import Prediction, Record, RunConfig, RunStats
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from ..run.extract import Extraction, ExtractStats, Extractor
+from ..scheduler.extract import Extraction, ExtractStats, Extractor
 from ..types import Mode, Record, RunConfig
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..run.classify import Classifier
+from ..scheduler.classify import Classifier
 from ..types import Record, RunConfig
 from .verify import compare
 

@@ -7,7 +7,7 @@ Readers go through two layers, one direction:
    object, bytes that are not UTF-8, a CSV row whose field count differs from
    the header's) is still a Row: its ``error`` says what is wrong and where
    (``file:line`` and, where one is to blame, the field). Reading goes on.
-2. :func:`records_from_rows` turns Rows into :class:`~prefixcache.run.classify.Record`.
+2. :func:`records_from_rows` turns Rows into :class:`~prefixcache.scheduler.classify.Record`.
    Ids come from ``id_field`` when given, else they are 0-based row numbers
    (bad rows count). A row whose id is missing, not a string or an integer,
    or already used by an earlier row becomes a Record with ``error`` set and

@@ -192,7 +192,7 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def _is_path(spec: str) -> bool:
-    """Whether ``spec`` can only be a local path, never a Hugging Face id (``namespace/name``)."""
+    """Whether ``task`` can only be a local path, never a Hugging Face id (``namespace/name``)."""
     return (
         os.path.isabs(spec)
         or spec.startswith(("./", "../", "~"))
@@ -244,7 +244,7 @@ def _hub_or_folder(spec: str) -> tuple[str, str]:
 
 
 def local_source(spec: str) -> tuple[str, str, bool]:
-    """Resolve ``spec`` to (what to pass to ``from_pretrained``, identity, needs_conversion).
+    """Resolve ``task`` to (what to pass to ``from_pretrained``, identity, needs_conversion).
 
     Performs the one-time GGUF conversion when needed.
     """

@@ -3,7 +3,7 @@
 Modules: ``settings`` (limits, one frozen dataclass), ``runners`` (what a task
 kind does with a batch), ``batcher`` (merging requests into passes),
 ``service`` (registry + threads), ``prometheus`` (metrics), ``middleware`` (metrics, auth, body limit),
-``schemas`` (HTTP bodies), ``app`` (routes), ``run`` (uvicorn on a socket),
+``schemas`` (HTTP bodies), ``app`` (routes), ``scheduler`` (uvicorn on a socket),
 ``static/index.html`` (the web page).
 
 Importing this package is cheap: FastAPI is imported only when ``create_app``
@@ -23,7 +23,7 @@ def __getattr__(name: str):
 
         return create_app
     if name in ("run_server", "ServerThread"):
-        from . import run
+        from . import launch
 
-        return getattr(run, name)
+        return getattr(launch, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

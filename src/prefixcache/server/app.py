@@ -37,7 +37,7 @@ from ..errors import (
     WrongTaskKindError, neutral_spelling,
 )
 from ..model.load import LoadedModel
-from ..spec.task import ExtractTask, Task
+from ..task.definition import ExtractTask, Task
 from .prometheus import Metrics
 from .openai_routes import BODY_SCHEMAS, OPENAI_PATHS, add_openai_routes, openai_error
 from .middleware import CLIENT, PUBLIC_PATHS, ROLE, BearerAuth, BodyLimit, RequestMetrics, admin_only

@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Iterator, Sequence
 
-from ..run.loop import WorkItem
+from ..scheduler.loop import WorkItem
 from .runners import TaskRunner
 
 

@@ -57,7 +57,7 @@ from .batch_queue import Job, RunnerQueue
 from .prometheus import Metrics
 from ..engine.steps import between_steps
 from ..errors import QueueFullError, ShuttingDownError
-from ..run.loop import WorkItem
+from ..scheduler.loop import WorkItem
 from .runners import TaskRunner
 from .settings import ServerSettings
 

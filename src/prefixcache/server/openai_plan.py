@@ -18,8 +18,8 @@ from ..engine.constraint import ANY_OBJECT, JsonConstraint, json_constraint
 from ..engine.generate import GenerationConfig, eos_ids_of
 from ..engine.sampling import Sampling, TokenLogprob
 from ..errors import ConstraintError, RequestFieldError
-from ..spec.chat import WholePrompt, chat_prompt, choices_after, text_prompt
-from ..spec.context import context_limit
+from ..task.chat import WholePrompt, chat_prompt, choices_after, text_prompt
+from ..model.context_window import context_limit
 from .openai_runners import OpenAIRunners, PromptItem
 from .openai_schemas import (
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest, ChoiceLogprobs, Completion, CompletionChoice,

@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 
 from ..engine.detokenize import IncrementalText
 from ..errors import PrefixCacheError, UnknownModelError
-from ..spec.context import context_limit
+from ..model.context_window import context_limit
 from .openai_plan import Plan, chat_response, completion_response, plan, response_id, usage_of
 from .openai_schemas import (
     ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList, OpenAIError, parse_request,

@@ -1,6 +1,6 @@
 """What the OpenAI-compatible routes run on the model thread: guided choice and generation over a reused prefix.
 
-A request's whole prompt (:class:`~prefixcache.spec.chat.WholePrompt`) is split at its reusable part.
+A request's whole prompt (:class:`~prefixcache.task.chat.WholePrompt`) is split at its reusable part.
 That part is looked up in the service's :class:`~prefixcache.cache.pool.PrefixPool` once per pass: a
 hit when an earlier request stored it, an *extension* when a held entry shares a leading part with it
 (only the rest is computed), else it is computed and stored for the next request, all under the pool's
@@ -29,10 +29,10 @@ from ..engine.constraint import JsonConstraint
 from ..engine.generate import GenerationConfig, generate_rows
 from ..engine.rows import empty_prefix
 from ..engine.sampling import Sampling
-from ..engine.scoring import LabelHead
+from ..engine.scoring import LabelScorer
 from ..errors import PoolBudgetError
 from ..model.load import LoadedModel
-from ..spec.chat import Choices, EarlierMessages, WholePrompt
+from ..task.chat import Choices, EarlierMessages, WholePrompt
 
 MIN_REUSE = 16  # a reusable part shorter than this is not stored: the whole prompt is computed
 RUNNERS_KEPT = 256  # runners (distinct prefix + choices or settings) remembered for batching
@@ -95,7 +95,7 @@ class ChoiceRunner(_ReusingRunner):
     def __init__(self, loaded: LoadedModel, pool: PrefixPool, prefix_ids: tuple[int, ...], choices: Choices, method: str):
         super().__init__(loaded, pool, prefix_ids)
         self.choices = choices
-        self.head = LabelHead(loaded.model, choices, choices.resolve_method(method))
+        self.head = LabelScorer(loaded.model, choices, choices.resolve_method(method))
 
     def run(self, items: Sequence[PromptItem]) -> list[dict]:
         prefix, cached = self._prefix(items)

@@ -3,14 +3,14 @@
 A runner binds one task to one model. It has two halves, run on two threads:
 
 * :meth:`TaskRunner.prepare` (the *prep* thread): turn request items into
-  :class:`~prefixcache.run.loop.WorkItem` token rows with the engine's own
-  :meth:`~prefixcache.run.loop.BoundTask.prepare` (rendering, the prefix boundary
+  :class:`~prefixcache.scheduler.loop.WorkItem` token rows with the engine's own
+  :meth:`~prefixcache.scheduler.loop.BoundTask.prepare` (rendering, the prefix boundary
   check and, for classification, the context check), then check the server's
   limits, naming the item that breaks one. It tokenizes with the prep thread's
   own tokenizer copy, never the model thread's.
 * :meth:`TaskRunner.run` (the *model* thread): one forward pass for a batch of
   prepared items, possibly from many requests, through
-  :meth:`~prefixcache.run.loop.BoundTask.run_prepared`; results in the batch's order.
+  :meth:`~prefixcache.scheduler.loop.BoundTask.run_prepared`; results in the batch's order.
 
 So a server result is exactly what the library returns for that record in
 ``batched`` mode: the same preparation and the same engine call.
@@ -34,23 +34,23 @@ from __future__ import annotations
 from typing import Callable, ClassVar, Protocol, Sequence
 
 from ..errors import ItemError, TaskUploadError
-from ..run.loop import BoundTask, WorkItem
-from ..run.extract import Extractor
+from ..scheduler.loop import BoundTask, WorkItem
+from ..scheduler.extract import Extractor
 from ..model.load import LoadedModel
 from ..cache.pool import PrefixKey, PrefixPool
 from ..engine.head_file import describe_head
-from ..run.classify import Classifier
+from ..scheduler.classify import Classifier
 from ..types import Record, RunConfig
-from ..spec.extract_prompt import build_extract_prompt
-from ..spec.prompt import build_prompt
-from ..spec.task import ExtractTask, Task
+from ..task.extract_prompt import build_extract_prompt
+from ..task.prompt import build_prompt
+from ..task.definition import ExtractTask, Task
 from .settings import ServerSettings
 
 
 class TaskRunner(Protocol):
     """The contract every runner kind meets.
 
-    ``prepare`` may be called from the prep thread while ``run`` executes on the
+    ``prepare`` may be called from the prep thread while ``scheduler`` executes on the
     model thread; neither mutates shared state (the prefix is read-only).
     """
 
@@ -77,9 +77,9 @@ class TaskRunner(Protocol):
 
 
 class _BoundRunner:
-    """What both runner kinds share: a :class:`~prefixcache.run.loop.BoundTask` (a Classifier or an
+    """What both runner kinds share: a :class:`~prefixcache.scheduler.loop.BoundTask` (a Classifier or an
     Extractor) whose prefix is built (or found in the pool) on construction, and the two halves,
-    ``prepare`` and ``run``, that go through it.
+    ``prepare`` and ``scheduler``, that go through it.
 
     Construct it on the model thread: building the prefix runs the model.
     ``prefix_limit`` (uploads only) is checked before the prefix is built.
@@ -125,7 +125,7 @@ class _BoundRunner:
 
 
 class ClassifyRunner(_BoundRunner):
-    """A classification task on a model, over :class:`~prefixcache.run.classify.Classifier`: a pass is one
+    """A classification task on a model, over :class:`~prefixcache.scheduler.classify.Classifier`: a pass is one
     :func:`~prefixcache.engine.forward.score_rows` call."""
 
     kind: ClassVar[str] = "classify"
@@ -150,7 +150,7 @@ class ClassifyRunner(_BoundRunner):
 
 
 class ExtractRunner(_BoundRunner):
-    """An extraction task (``kind: extract``) on a model, over :class:`~prefixcache.run.extract.Extractor`:
+    """An extraction task (``kind: extract``) on a model, over :class:`~prefixcache.scheduler.extract.Extractor`:
     a pass is one :func:`~prefixcache.engine.generate.generate_rows` call (greedy, the whole batch at once)."""
 
     kind: ClassVar[str] = "extract"

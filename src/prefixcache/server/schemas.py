@@ -138,7 +138,7 @@ class ClassifyResponse(BaseModel):
 
 
 class ExtractResult(BaseModel):
-    """One item's extraction (:meth:`prefixcache.run.extract.Extraction.to_json`)."""
+    """One item's extraction (:meth:`prefixcache.scheduler.extract.Extraction.to_json`)."""
 
     model_config = ConfigDict(extra="forbid")
 

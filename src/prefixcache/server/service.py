@@ -46,7 +46,7 @@ from ..errors import (
 from ..model.load import LoadedModel
 from ..cache.pool import PoolConfig, PrefixPool
 from ..types import Record
-from ..spec.task import ExtractTask, Task
+from ..task.definition import ExtractTask, Task
 from .batcher import MicroBatcher
 from .prometheus import Metrics
 from .openai_runners import OpenAIRunners

@@ -9,7 +9,7 @@ as each can be, so a hostile body costs little:
 * ``max_task_bytes``: before anything is decoded or parsed (413);
 * ``max_labels`` (a classification task's labels, an extraction task's fields) and ``max_examples``
   (``examples`` and ``example_pool`` together): on the parsed YAML, before the task is validated (422);
-* the first 20 problems of an invalid task are named, the rest counted (:func:`~prefixcache.spec.task.parse_task`).
+* the first 20 problems of an invalid task are named, the rest counted (:func:`~prefixcache.task.definition.parse_task`).
 
 This module knows nothing about HTTP beyond the media types a task may be sent as.
 """
@@ -22,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Sequence
 
 from ..errors import TaskTooLargeError, TaskUploadError
-from ..spec.task import ExtractTask, Task, parse_task
+from ..task.definition import ExtractTask, Task, parse_task
 from .settings import ServerSettings
 
 TASK_MEDIA_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "application/json", "text/plain")

@@ -1,0 +1,213 @@
+"""The record loop: a task bound to a model (:class:`BoundTask`), what a Classifier and an Extractor share.
+
+Records are cut into windows of ``RunConfig.window``, and each window goes through four stages
+(:meth:`BoundTask._window` reads as exactly these four lines):
+
+1. :meth:`~BoundTask.prepare`: render and tokenize each record and route it (after the stored
+   prefix, or in full), or mark it failed; one :class:`WorkItem` per record;
+2. :meth:`~BoundTask.plan`: cut the runnable items into batches over one prefix each
+   (length-sorted when a pass takes more than one record);
+3. :meth:`~BoundTask.run`: one engine call per batch (the subclass's ``_forward``);
+4. :meth:`~BoundTask.report`: one result per record, in input order, counted into the stats.
+
+A subclass says only how to route a tokenized record (``_route``), run a batch (``_forward``),
+and turn an output or an error into its result (``_result``, ``_failed``, ``_tally``).
+
+It owns the task's prefix (built once, or looked up in a :class:`~prefixcache.cache.pool.PrefixPool`
+on every access). ``full`` mode gets the empty prefix, so it re-encodes every prompt; the other
+modes get the task's prefix, held for the one call (a pool may evict its entry meanwhile, never from
+under a running call). What a mode means is asked of :class:`~prefixcache.types.Mode`, nowhere else.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from itertools import islice
+from typing import Callable, Iterable, Iterator, Sequence
+
+from ..cache.kv import PrefixKV
+from ..cache.pool import LookupInfo, PrefixPool
+from ..engine.rows import empty_prefix
+from ..errors import InputError
+from ..model.load import LoadedModel
+from ..task.prompt import Encoded
+from ..types import Mode, Record, RunConfig, WindowStats
+
+Progress = Callable[[int], None]
+Batch = tuple[PrefixKV, list["WorkItem"]]  # one engine call: the prefix its rows follow, and the items
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One record of a window, prepared: its position, its tokens, and which prefix they follow."""
+
+    index: int  # position in the window
+    record: Record
+    rows: tuple[int, ...] | None = None  # tokens fed after the prefix used
+    full: bool = False  # fed after the empty prefix (full re-encode or boundary fallback)
+    boundary_fallback: bool = False  # full only because its tokens cross the prefix boundary (a cached mode)
+    error: str | None = None  # set: the record is reported, never run
+    overflowed: bool = False  # the error: its prompt does not fit the model's context
+    truncated: bool = False  # a field was cut to fit the context (classification's --overflow truncate)
+    warning: str | None = None
+
+
+def route(index: int, record: Record, enc: Encoded, mode: Mode, **flags) -> WorkItem:
+    """A tokenized record as an item: after the stored prefix, or in full (a mode that re-encodes, or a
+    record whose tokens cross the prefix boundary: a boundary fallback). ``flags``: ``truncated``, ``warning``."""
+    if not mode.uses_prefix:
+        return WorkItem(index, record, rows=enc.full_ids, full=True, **flags)
+    if enc.suffix_ids is None:
+        return WorkItem(index, record, rows=enc.full_ids, full=True, boundary_fallback=True, **flags)
+    return WorkItem(index, record, rows=enc.suffix_ids, **flags)
+
+
+class BoundTask:
+    """Subclasses set ``self.prompt`` (with ``prefix_ids``) before calling ``__init__`` here, set
+    ``stats_type``, and define the methods at the end of this class."""
+
+    stats_type: type[WindowStats] = WindowStats  # the counters a run of this task kind keeps
+
+    def __init__(self, loaded: LoadedModel, task, pool: PrefixPool | None = None):
+        self.loaded = loaded
+        self.task = task
+        self.pool = pool
+        self.last_lookup: LookupInfo | None = None  # what the last pool lookup did; never the prefix itself
+        self.prefix_seconds = 0.0
+        self._prefix: PrefixKV | None = None
+        self._empty = empty_prefix(loaded.model)
+
+    @property
+    def prefix(self) -> PrefixKV:
+        """The task's prefix cache: built on first use, or looked up in the pool on every access.
+
+        With a pool, nothing here keeps the prefix (only ``last_lookup``, which holds no tensor): the caller
+        holds it for one call or pass, so an entry the pool evicts is freed once its passes end.
+
+        Raises:
+            PoolBudgetError: (with a pool) the prefix cannot fit in the pool's budget.
+        """
+        if self.pool is not None:
+            lookup = self.pool.get(self.loaded, self.prompt.prefix_ids, pin=self.task.pin, name=self.task.name)
+            self.last_lookup, self.prefix_seconds = lookup.info(), lookup.seconds
+            return lookup.prefix
+        if self._prefix is None:
+            started = time.perf_counter()
+            self._prefix = PrefixKV.build(self.loaded.model, self.prompt.prefix_ids)
+            self.prefix_seconds = time.perf_counter() - started
+        return self._prefix
+
+    def _stream(self, records: Iterable[Record], config: RunConfig, progress: Progress | None, stats) -> Iterator:
+        """Cut the records into windows and run each over the prefix this mode uses (held for this call)."""
+        prefix = self._empty
+        if Mode(config.mode).uses_prefix:
+            prefix = self.prefix
+            stats.prefix_seconds = self.prefix_seconds
+        records = iter(records)
+        while window := list(islice(records, config.window)):
+            yield from self._window(window, config, progress, stats, prefix)
+
+    def _window(self, records: list[Record], config: RunConfig, progress, stats, stored: PrefixKV) -> Iterator:
+        """One window: prepare, plan, run, report. Yields one result per record, in input order."""
+        started = time.perf_counter()
+        items = self.prepare(records, config)
+        batches = self.plan(items, Mode(config.mode).pass_size(config.batch_size), stored)
+        outputs = self.run(batches, stats, progress)
+        results = self.report(items, outputs, stats, progress)
+        stats.seconds += time.perf_counter() - started
+        yield from results
+
+    # --- the four stages ---------------------------------------------------------------------------
+
+    def prepare(self, records: Sequence[Record], config: RunConfig, tokenizer=None) -> list[WorkItem]:
+        """One WorkItem per record, in input order: rendered, tokenized as the full prompt, then routed.
+
+        A record the reader marked bad, or whose fields do not fit the template (or, for a
+        classifier under ``overflow="error"``, the context), gets an ``error`` instead of rows.
+        ``tokenizer`` defaults to the model's; a caller on another thread passes its own copy.
+        Reads only the prompt and the task, so it may run while another thread runs the model.
+        """
+        texts, items = [], []
+        for i, record in enumerate(records):
+            if record.error is not None:  # a row the reader could not turn into fields
+                items.append(WorkItem(i, record, error=record.error))
+                continue
+            try:
+                texts.append((i, self.prompt.suffix_text(record.fields, record.id)))
+            except InputError as exc:
+                items.append(WorkItem(i, record, error=str(exc)))
+        encoded = self.prompt.encode(tokenizer or self.loaded.tokenizer, [t for _, t in texts])
+        for (i, _), enc in zip(texts, encoded):
+            items.append(self._route(i, records[i], enc, config))
+        return sorted(items, key=lambda it: it.index)
+
+    def plan(self, items: Sequence[WorkItem], size: int, stored: PrefixKV) -> Iterator[Batch]:
+        """Batches of up to ``size`` runnable items, each over one prefix: full re-encodes (and boundary
+        fallbacks) after the empty prefix, the rest after ``stored``. With ``size > 1`` items are sorted
+        by length to cut padding. Items with an ``error`` are left out (:meth:`report` answers them)."""
+        runnable = [it for it in items if it.error is None]
+        for use_full in (True, False):
+            group = [it for it in runnable if it.full == use_full]
+            if size > 1:
+                group = sorted(group, key=lambda it: len(it.rows))
+            prefix = self._empty if use_full else stored
+            for start in range(0, len(group), size):
+                yield prefix, group[start : start + size]
+
+    def run(self, batches: Iterable[Batch], stats, progress: Progress | None = None) -> dict[int, object]:
+        """One ``_forward`` call per batch; item index -> its output."""
+        outputs: dict[int, object] = {}
+        for prefix, batch in batches:
+            outputs.update(zip((item.index for item in batch), self._forward(prefix, batch, stats)))
+            if progress:
+                progress(len(batch))
+        return outputs
+
+    def report(self, items: Sequence[WorkItem], outputs: dict[int, object], stats, progress: Progress | None = None,
+               ) -> list:
+        """One result per item, in the items' order (an item with ``error`` gets its error result); counts
+        the items into ``stats``."""
+        for item in items:  # an item that never ran counts as done here, after the passes
+            if item.error is not None and progress:
+                progress(1)
+        results = [self._failed(it) if it.error is not None else self._result(it, outputs[it.index]) for it in items]
+        stats.records += len(items)
+        stats.boundary_fallbacks += sum(1 for it in items if it.boundary_fallback)
+        self._tally(stats, items, results)
+        return results
+
+    def run_prepared(self, items: Sequence[WorkItem]) -> list:
+        """Run already prepared ``items`` (from :meth:`prepare`, possibly of several calls) as one batch
+        per prefix: the stored prefix (looked up once), and the empty one for full re-encodes.
+
+        Returns one result per item, in the items' order (an item with ``error`` gets its error result).
+        This is the server's forward pass: ``batched`` mode over exactly these items.
+        """
+        items = [replace(item, index=position) for position, item in enumerate(items)]
+        needs_prefix = any(it.error is None and not it.full for it in items)
+        stored = self.prefix if needs_prefix else self._empty
+        stats = self.stats_type()
+        return self.report(items, self.run(self.plan(items, max(1, len(items)), stored), stats), stats)
+
+    # --- what a subclass defines -------------------------------------------------------------------
+
+    def _route(self, index: int, record: Record, enc: Encoded, config: RunConfig) -> WorkItem:
+        """A tokenized record as an item (:func:`route`); a subclass may fit it to the context first."""
+        return route(index, record, enc, Mode(config.mode))
+
+    def _forward(self, prefix: PrefixKV, batch: list[WorkItem], stats) -> list:
+        """One engine call for ``batch`` over ``prefix``; one output per item."""
+        raise NotImplementedError
+
+    def _result(self, item: WorkItem, output):
+        """The result for an item that ran (``item.boundary_fallback`` says whether it fell back to full)."""
+        raise NotImplementedError
+
+    def _failed(self, item: WorkItem):
+        """The result for an item whose ``error`` is set (it never ran)."""
+        raise NotImplementedError
+
+    def _tally(self, stats, items: list[WorkItem], results: list) -> None:
+        """Add the window's error counts to ``stats`` (``results`` is aligned with ``items``)."""
+        raise NotImplementedError
