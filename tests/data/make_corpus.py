@@ -1,6 +1,6 @@
 """Writes the bad-input corpus next to this file. Run it to regenerate: python tests/data/make_corpus.py
 
-Each case and its expected outcome is listed in README.md here; tests/test_io_bad_inputs.py checks them.
+Each case and its expected outcome is listed in README.md here; tests/io/test_io_bad_inputs.py checks them.
 """
 
 from __future__ import annotations
