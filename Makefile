@@ -45,7 +45,7 @@ MUTANT_TEST_TIMEOUT ?= 60
 mutants: install
 	$(BIN)/pip install -q 'mutmut>=3.2' 'pytest-timeout>=2.3'
 	OMP_NUM_THREADS=1 PYTEST_TIMEOUT=$(MUTANT_TEST_TIMEOUT) $(BIN)/mutmut run --max-children $(MUTANT_JOBS) $(MUTANTS)
-	$(BIN)/python scripts/mutation_report.py --survivors
+	$(BIN)/python tools/mutation_report.py --survivors
 
 # Many labels (issue 16): the 77 banking77 intents (one example each, a ~4,100-token prefix) on records of
 # ../shared/datasets/banking77_train.csv; whole-label lanes through the label trie, before and after, and a head.

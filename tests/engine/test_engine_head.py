@@ -212,3 +212,26 @@ def test_fit_and_score_never_scores_a_fitted_text(tiny_llama, task):
     assert result.dropped > 0, "some twins fall on the other side of the split and must not be scored"
     assert result.head.records == result.scored_rows and result.prompt.records == result.scored_rows
     assert result.head.accuracy >= 0.9 and result.head.accuracy > result.prompt.accuracy + 0.3
+
+
+def test_fit_then_score_scores_the_head_it_fits_on_the_other_part_only(separable):
+    """The held-out figures of two parts made by the caller (as studies/accuracy_study.py makes them): the head
+    is fitted on the first part alone, and its figures are its own predictions on the second part."""
+    from prefixcache.eval.fit_curve import subset
+    from prefixcache.eval.holdout import fit_then_score
+
+    features, gold = separable
+    fit_idx, scored_idx = list(range(0, 90, 2)), list(range(1, 90, 2))
+    fit_rows, scored_rows = subset(features, fit_idx), subset(features, scored_idx)
+    fit_gold, scored_gold = [gold[i] for i in fit_idx], [gold[i] for i in scored_idx]
+    metrics, result = fit_then_score(fit_rows, fit_gold, scored_rows, scored_gold, folds=3, seed=0)
+    predicted = result.head.predict(scored_rows.features, scored_rows.prompt_logprobs)
+    assert metrics.records == len(scored_idx)
+    assert metrics.accuracy == pytest.approx(np.mean([p == g for p, g in zip(predicted, scored_gold)]))
+    assert metrics.accuracy > 0.9, "separable rows: the held-out part is told apart by the fitted head"
+    labels = sorted(set(gold))
+    rotated = [labels[(labels.index(g) + 1) % len(labels)] for g in scored_gold]
+    again, _ = fit_then_score(fit_rows, fit_gold, scored_rows, rotated, folds=3, seed=0)
+    assert again.accuracy == pytest.approx(np.mean([p == g for p, g in zip(predicted, rotated)])), \
+        "the figures are against the gold labels given for the scored part"
+    assert again.accuracy < metrics.accuracy

@@ -91,7 +91,7 @@ def test_a_pass_of_another_task_runs_between_two_uploads_builds(loaded, monkeypa
 
 def test_uploads_are_parsed_in_a_child_process_not_the_servers(loaded, monkeypatch):
     """Parsing holds the GIL: 20 parses at once on the server's threads starved its event loop (``/healthz`` p99
-    926 ms in ``scripts/hostile_uploads.py``), so uploads are parsed in a child process, one at a time. Here the
+    926 ms in ``studies/hostile_uploads.py``), so uploads are parsed in a child process, one at a time. Here the
     server process's own parser is broken: uploads still work, and a bad one still gets its exact 422."""
     from concurrent.futures import ThreadPoolExecutor
 

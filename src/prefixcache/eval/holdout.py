@@ -2,7 +2,8 @@
 
 :func:`fit_and_score` collects every row's features in one batched pass, splits the rows once
 (stratified by label), fits a head on one part (:func:`~prefixcache.eval.fit_head.fit_head`) and scores
-the prompt and the head on the other. A scored row never shares its normalized text with a fitted row
+the prompt and the head on the other (:func:`fit_then_score`, which also takes two parts made
+elsewhere). A scored row never shares its normalized text with a fitted row
 (:func:`~prefixcache.engine.head_file.text_hash`): such rows are dropped from the scored part and
 counted, so a duplicated text cannot inflate the head's figure. ``make demo`` prints this.
 
@@ -17,7 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 from sklearn.model_selection import train_test_split
 
-from ..scheduler.feature_pass import collect_features
+from ..scheduler.feature_pass import FeatureSet, collect_features
 from ..types import DEFAULT_FEATURE
 from .fit_curve import subset
 from .fit_head import FitResult, fit_head
@@ -67,11 +68,27 @@ def fit_and_score(
     fitted, scored = train_test_split(np.arange(len(labels)), test_size=held_out, stratify=labels, random_state=seed)
     seen = {features.text_hashes[i] for i in fitted}
     kept = np.array([i for i in scored if features.text_hashes[i] not in seen], dtype=np.int64)
-    result = fit_head(subset(features, fitted), list(labels[fitted]), folds=folds, on_prompt=on_prompt, seed=seed)
-    part = subset(features, kept)
+    part, truth = subset(features, kept), list(labels[kept])
+    head, result = fit_then_score(subset(features, fitted), list(labels[fitted]), part, truth,
+                                  folds=folds, on_prompt=on_prompt, seed=seed)
     order = features.labels
-    head = result.head.predict(part.features, part.prompt_logprobs)
     prompt = [order[j] for j in part.prompt_logprobs.argmax(axis=1)]
-    truth = list(labels[kept])
-    return HeldOut(len(fitted), len(kept), len(scored) - len(kept), compute_metrics(truth, prompt, order),
-                   compute_metrics(truth, head, order), result)
+    return HeldOut(len(fitted), len(kept), len(scored) - len(kept), compute_metrics(truth, prompt, order), head, result)
+
+
+def fit_then_score(
+    fit_rows: FeatureSet,
+    fit_gold: Sequence[str],
+    scored_rows: FeatureSet,
+    scored_gold: Sequence[str],
+    *,
+    folds: int = 5,
+    on_prompt: bool = False,
+    seed: int = 0,
+) -> tuple[Metrics, FitResult]:
+    """Fit a head on ``fit_rows`` (C chosen by ``folds``-fold CV) and score it on ``scored_rows``, whose
+    features were taken the same way: the head's figures on the scored rows, and the fit. The caller keeps
+    the two parts apart (:func:`fit_and_score` drops scored rows whose text a fitted row has)."""
+    result = fit_head(fit_rows, list(fit_gold), folds=folds, on_prompt=on_prompt, seed=seed)
+    predicted = result.head.predict(scored_rows.features, scored_rows.prompt_logprobs)
+    return compute_metrics(list(scored_gold), predicted, scored_rows.labels), result

@@ -2,7 +2,7 @@
 
 :func:`parse_upload` runs in a child process (:class:`UploadParser`), never in the server's own: parsing holds
 the GIL (libyaml composes a whole document in one C call, and the constructors are Python), so parses on a
-thread of the server starve its event loop and model thread (``scripts/hostile_uploads.py``: `/healthz` p99
+thread of the server starve its event loop and model thread (``studies/hostile_uploads.py``: `/healthz` p99
 926 ms with 20 parses at once on threads). Uploads take turns in the one child. Its limits are checked as early
 as each can be, so a hostile body costs little:
 

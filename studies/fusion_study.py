@@ -1,3 +1,4 @@
+# Study behind docs/benchmarks.md, "bfloat16 on a CPU with AVX512-BF16 and no AMX" (the fused elementwise work table).
 """Does fusing the elementwise work of each decoder layer pay on this CPU? (issue 20, item 2). One run:
 
 * ``eager``: the batched lane at ``--dtype`` (bfloat16 by default), as every command runs it;
@@ -10,7 +11,7 @@ The lanes alternate for ``--rounds`` rounds on the same records (so load drift h
 gives each lane's median ms/item, its speed against eager, the compile time it paid (its first call), and its
 labels and largest |log-prob difference| against the eager lane of the same dtype.
 
-    python scripts/fusion_study.py --items 256
+    python studies/fusion_study.py --items 256
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# Study behind docs/reliability.md, "Hostile uploads" (its tables), and docs/server.md's upload parsing.
 """Hostile task uploads against a real server: does `/healthz` and classification stay responsive?
 
 Issue 19 asks: while 20 hostile uploads run, `/healthz` p99 stays within 100 ms and a concurrent classify
@@ -20,7 +21,7 @@ Exit code 0 when `/healthz` p99 under attack is at most ``--healthz-p99-ms``, th
 is at most ``--classify-ratio`` x its idle median, every classify and `/healthz` answered 200, and no upload
 got a 5xx; 1 otherwise. A connection the server closes on an oversized body is counted, not failed.
 
-    python scripts/hostile_uploads.py
+    python studies/hostile_uploads.py
 """
 
 from __future__ import annotations
@@ -34,10 +35,14 @@ import multiprocessing
 import os
 import secrets
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 
-from loadtest import HOST, Server
+# The load test's server launcher (a `prefixcache serve` subprocess on a free loopback port).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from loadtest import HOST, Server  # noqa: E402
 
 TICKET = "My card was charged twice for the same order last week and I would like one of the charges refunded."
 HEAD = 'name: {name}\nkind: classify\ninstruction: "Classify the ticket."\n'

@@ -1,3 +1,4 @@
+# Study behind docs/accuracy.md, "What a fitted head buys: measurements" (its tables and curves).
 """What a fitted label head buys over the prompt alone (issue 15): the measurements behind docs/accuracy.md.
 
 Three steps, each a subcommand:
@@ -9,21 +10,21 @@ Three steps, each a subcommand:
   need and cache the features in ``--cache`` (default /tmp/accuracy_cache), one ``.npz`` per job and
   chunk, so a rerun or a killed run costs nothing it already paid for. One pass keeps several feature
   specs at once (``last+mean+last@15+mean@15+last@22+mean@22``); the experiments slice the columns.
-* ``scheduler``: the experiments, on the cached arrays only: (a) feature choice, (b) the issue's targets,
+* ``run``: the experiments, on the cached arrays only: (a) feature choice, (b) the issue's targets,
   (c) accuracy against rows per label, (d) short vs full prompt, (e) fit time and fit vs classify.
   Prints markdown tables, writes the curve PNGs and ``results.json`` in the cache folder.
 
-``--quick`` shrinks every data set (a few rows per label) so that ``collect`` and ``scheduler`` finish in
+``--quick`` shrinks every data set (a few rows per label) so that ``collect`` and ``run`` finish in
 a couple of minutes; its numbers only show that the pipeline works.
 
-    .venv/bin/python scripts/accuracy_study.py tasks
-    nice -n 5 .venv/bin/python scripts/accuracy_study.py collect            # hours on 2 cores, resumable
-    .venv/bin/python scripts/accuracy_study.py run --plots docs/img
-    .venv/bin/python scripts/accuracy_study.py --quick collect && .venv/bin/python scripts/accuracy_study.py --quick run
+    .venv/bin/python studies/accuracy_study.py tasks
+    nice -n 5 .venv/bin/python studies/accuracy_study.py collect            # hours on 2 cores, resumable
+    .venv/bin/python studies/accuracy_study.py run --plots docs/img
+    .venv/bin/python studies/accuracy_study.py --quick collect && .venv/bin/python studies/accuracy_study.py --quick run
 
-The heads are fitted with :mod:`prefixcache.eval.fit_head` when it is importable (the numbers are
-then what ``prefixcache fit`` gives); otherwise with the same recipe written out here (scikit-learn
-StandardScaler + multinomial LogisticRegression, C chosen by stratified 5-fold CV).
+The heads are fitted and scored by the package itself (:func:`prefixcache.eval.fit_head.fit_head`, and
+:func:`prefixcache.eval.holdout.fit_then_score` for the held-out figures), so the numbers are what
+``prefixcache fit`` gives; leaks are found with the package's :func:`~prefixcache.task.selection.normalize_text`.
 """
 
 from __future__ import annotations
@@ -33,13 +34,15 @@ import csv
 import hashlib
 import json
 import random
-import re
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+
+from prefixcache.eval.holdout import fit_then_score
+from prefixcache.task.selection import normalize_text
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "datasets"
@@ -56,11 +59,6 @@ COLLECT_SPEC = "last+mean+last@15+mean@15+last@22+mean@22"
 SPEC_PARTS = COLLECT_SPEC.split("+")
 FEATURE_CHOICES = ("last", "mean", "last@15", "mean@15", "last@22", "mean@22", "last+mean@15", "last+mean", "last+mean@22")
 SEED = 0
-
-
-def normalize(text: str) -> str:
-    """Case-folded, punctuation dropped, whitespace collapsed: how eval compares texts for leaks."""
-    return " ".join(re.sub(r"[^\w\s]", " ", text.casefold()).split())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,8 +99,8 @@ def pick_examples(rows: list[dict], seed: int, min_chars: int = 20, max_chars: i
 
 def without_examples(rows: list[dict], examples) -> list[dict]:
     """``rows`` minus every row whose normalized text is one of the examples' (so no leak by duplicates)."""
-    shown = {normalize(e["text"]) for e in examples}
-    return [r for r in rows if normalize(r["text"]) not in shown]
+    shown = {normalize_text(e["text"]) for e in examples}
+    return [r for r in rows if normalize_text(r["text"]) not in shown]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,7 +301,7 @@ def write_tasks() -> None:
     src = "../shared/datasets/banking77_train.csv"
     write_task(
         TASK_DIR / "banking77.yaml",
-        [f"banking77: 77 intents of {src} (text,category), for scripts/accuracy_study.py.",
+        [f"banking77: 77 intents of {src} (text,category), for studies/accuracy_study.py.",
          "Each example is one row of that file; the comment is its id in the study (b + its 0-based data row);",
          "the study leaves every row with the same normalized text out of every evaluation."],
         "banking77", BANKING77_INSTRUCTION, BANKING77_LABELS,
@@ -321,7 +319,7 @@ def write_tasks() -> None:
     write_task(
         TASK_DIR / "natcs-71.yaml",
         ["NatCS / DSTC11 Track 2: all 71 intents of ../shared/datasets/natcs_dstc11_intent_utterances.csv",
-         "(CDLA-Permissive-2.0, see src/prefixcache/datasets/natcs/README.md), for scripts/accuracy_study.py.",
+         "(CDLA-Permissive-2.0, see src/prefixcache/datasets/natcs/README.md), for studies/accuracy_study.py.",
          "Each example is one row of that file (its utterance_id is in the comment); the study leaves",
          "every row with the same normalized text out of every evaluation."],
         "natcs-71", NATCS71_INSTRUCTION, NATCS71_LABELS,
@@ -556,7 +554,7 @@ class Cached:
 
 
 # ---------------------------------------------------------------------------------------------
-# Experiments (subcommand ``scheduler``): cached arrays only, no model.
+# Experiments (subcommand ``run``): cached arrays only, no model.
 # ---------------------------------------------------------------------------------------------
 def feature_set(cached: Cached, rows: list[dict], spec: str):
     """A :class:`~prefixcache.scheduler.feature_pass.FeatureSet` of ``rows`` (those cached) and their gold labels."""
@@ -582,15 +580,6 @@ def prompt_accuracy(prompt_logprobs: np.ndarray, gold, labels) -> float:
 def distinct_first_tokens(prompt_logprobs: np.ndarray) -> int:
     """How many label columns the prompt can tell apart (columns that tie on every row count once)."""
     return len({tuple(np.round(col, 5)) for col in prompt_logprobs[: min(64, len(prompt_logprobs))].T})
-
-
-def fit_and_score(train, train_gold, test, test_gold, on_prompt=False, folds=5):
-    """Fit on ``train`` (C by CV), score on ``test``; returns (accuracy, FitResult)."""
-    from prefixcache.eval.fit_head import fit_head
-
-    result = fit_head(train, train_gold, folds=folds, on_prompt=on_prompt, seed=SEED)
-    predicted = result.head.predict(test.features, test.prompt_logprobs)
-    return float(np.mean([p == g for p, g in zip(predicted, test_gold)])), result
 
 
 def pct(x) -> str:
@@ -621,8 +610,8 @@ class Study:
         c = self.cached(job, partial=True)
         train, train_gold = feature_set(c, fit_rows, spec)
         test, test_gold = feature_set(c, test_rows, spec)
-        acc, result = fit_and_score(train, train_gold, test, test_gold, on_prompt)
-        return {"accuracy": acc, "C": result.C, "fit_rows": len(train_gold), "test_rows": len(test_gold),
+        head, result = fit_then_score(train, train_gold, test, test_gold, on_prompt=on_prompt, seed=SEED)
+        return {"accuracy": head.accuracy, "C": result.C, "fit_rows": len(train_gold), "test_rows": len(test_gold),
                 "prompt": prompt_accuracy(test.prompt_logprobs, test_gold, c.labels),
                 "cv_accuracy": result.cv_metrics.accuracy if result.cv_metrics else None,
                 "fit_seconds": result.seconds}

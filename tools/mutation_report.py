@@ -1,6 +1,6 @@
 """Print mutmut's kill rate per module, from the meta files `mutmut run` leaves under ./mutants/.
 
-Usage (from the directory where `mutmut run` ran):  python scripts/mutation_report.py [--survivors] [MUTANTS_DIR]
+Usage (from the directory where `mutmut run` ran):  python tools/mutation_report.py [--survivors] [MUTANTS_DIR]
 
 One row per mutated module: killed / survived / timeout / other / not run / total / kill %.
 "kill %" counts timeouts as killed (a mutant that hangs the tests is caught) and is taken over the

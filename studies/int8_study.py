@@ -1,3 +1,4 @@
+# Study behind docs/benchmarks.md, "int8 weights on an AVX2 CPU" (its table).
 """Can int8 weights from a kernel library PyTorch ships speed up the embedded model on this CPU, with labels
 that agree with float32? (issue 20, item 1). One run, side by side:
 
@@ -11,7 +12,7 @@ that agree with float32? (issue 20, item 1). One run, side by side:
 Prints ms/item of the batched lane, the speedup over float32 batched, label agreement with full float32 and
 the largest |log-prob difference|, on ``--items`` synthetic tickets of the bench's default task.
 
-    python scripts/int8_study.py --items 60
+    python studies/int8_study.py --items 60
 """
 
 from __future__ import annotations
