@@ -87,3 +87,78 @@ def test_a_file_that_is_not_a_gguf_is_not_a_model(tmp_path):
 def test_an_invalid_hub_id_is_a_model_not_found_error():
     with pytest.raises(ModelNotFoundError, match="nor a valid Hugging Face id"):
         local_source("no such model!")
+
+
+# --- random:<arch> ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_arch(monkeypatch):
+    """A tiny architecture in the catalog, paired with the tests' tiny tokenizer instead of the embedded one's:
+    (its name, the tokenizer specs asked for)."""
+    from prefixcache.model import load as load_module
+    from prefixcache.model.catalog import MODEL_CONFIGS
+
+    from tests.support.models import make_tokenizer, tiny_config
+
+    tokenizer = make_tokenizer()
+    params = {"model_type": "qwen2", **tiny_config("qwen2", len(tokenizer)).to_diff_dict()}
+    params.pop("transformers_version", None)
+    monkeypatch.setitem(MODEL_CONFIGS, "tiny-qwen2", params)
+    asked = []  # the tokenizer specs asked for, in order
+    monkeypatch.setattr(load_module, "load_model_tokenizer", lambda spec: asked.append(spec) or tokenizer)
+    return "tiny-qwen2", asked
+
+
+def test_random_arch_is_that_architecture_with_the_same_seeded_weights_every_time(tiny_arch):
+    from prefixcache.model.load import load_model
+
+    tiny_arch, _ = tiny_arch
+    first = load_model(f"random:{tiny_arch}", "float32")
+    second = load_model(f"random:{tiny_arch}", "float32")
+    assert first.spec == f"random:{tiny_arch}" and first.identity == f"random:{tiny_arch}"
+    assert first.config.model_type == "qwen2" and first.config.hidden_size == 64 and first.config.num_hidden_layers == 2
+    assert first.dtype == torch.float32 and not first.model.training
+    a, b = first.model.state_dict(), second.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "two loads must give the same weights"
+
+
+def test_random_arch_takes_the_default_models_tokenizer_unless_one_is_named(tiny_arch):
+    from prefixcache.model import load as load_module
+    from prefixcache.model.catalog import DEFAULT_MODEL
+
+    tiny_arch, asked = tiny_arch
+    load_module.load_model(f"random:{tiny_arch}", "float32")
+    named = load_module.load_model(f"random:{tiny_arch}@/models/tokenizer", "float32")
+    assert asked == [DEFAULT_MODEL, "/models/tokenizer"]
+    assert named.spec == f"random:{tiny_arch}@/models/tokenizer" and named.config.hidden_size == 64
+
+
+def test_an_unknown_random_arch_names_the_known_ones():
+    from prefixcache.model.load import load_model
+
+    with pytest.raises(ModelNotFoundError, match="qwen2.5-0.5b"):
+        load_model("random:gpt-17", "float32")
+
+
+def test_classify_runs_on_a_random_arch_through_the_cli(tiny_arch, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from prefixcache.cli.app import app
+
+    from tests.support.tasks import TASK_YAML, TEXTS
+
+    tiny_arch, _ = tiny_arch
+    (tmp_path / "task.yaml").write_text(TASK_YAML)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"r{i}", "text": t}) + "\n" for i, t in enumerate(TEXTS)))
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(app, ["classify", str(tmp_path / "in.jsonl"), "--task", str(tmp_path / "task.yaml"),
+                                      "--model", f"random:{tiny_arch}", "--dtype", "float32", "--id-field", "id",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"random:{tiny_arch}" in result.output, "the load line names the random architecture"
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"r{i}" for i in range(len(TEXTS))]
+    assert all(r["label"] in {"billing", "technical", "account"} for r in rows)

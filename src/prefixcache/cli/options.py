@@ -16,7 +16,8 @@ RUN = RunConfig()
 POOL = PoolConfig()
 
 TaskOpt = typer.Option(DEFAULT_TASK, "--task", help="A bundled task name or a path to a task YAML.")
-ModelOpt = typer.Option(DEFAULT_MODEL, "--model", help="Embedded name, .gguf path, HF id or local folder.")
+ModelOpt = typer.Option(DEFAULT_MODEL, "--model", help="Embedded name, .gguf path, HF id, local folder, or random:ARCH[@TOKENIZER] "
+                        "(seeded random weights of a known architecture; the embedded model's tokenizer unless named).")
 DtypeOpt = typer.Option(DTYPE_CHOICES[0], "--dtype", help=f"One of {', '.join(DTYPE_CHOICES)}.")
 ThreadsOpt = typer.Option(None, "--threads", min=1, help="Torch threads (default: all cores).")
 MethodOpt = typer.Option(METHODS[0], "--method", help=f"Label scoring: {', '.join(METHODS)}.")

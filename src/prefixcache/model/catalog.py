@@ -36,6 +36,9 @@ EMBEDDED = {
 }
 DEFAULT_MODEL = "smollm2-135m"
 
+RANDOM_PREFIX = "random:"
+"""``--model random:<arch>[@<tokenizer spec>]``: an architecture of :data:`MODEL_CONFIGS` with seeded random weights."""
+
 # Architectures for speed figures without their weights (labels from these mean nothing).
 MODEL_CONFIGS = {
     "qwen2.5-0.5b": dict(

@@ -24,14 +24,14 @@ import shutil
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
 
 from .allocator import keep_freed_memory
-from .catalog import DEFAULT_MODEL, DTYPE_CHOICES, DTYPE_NAMES, EMBEDDED, MODEL_CONFIGS
+from .catalog import DEFAULT_MODEL, DTYPE_CHOICES, DTYPE_NAMES, EMBEDDED, MODEL_CONFIGS, RANDOM_PREFIX
 from ..errors import ModelNotFoundError, setting
 
 log = logging.getLogger(__name__)
@@ -273,11 +273,20 @@ def load_model(
 ) -> LoadedModel:
     """Load a model and tokenizer ready for inference (eval mode, no grad needed).
 
+    ``random:<arch>`` (an architecture of :data:`~prefixcache.model.catalog.MODEL_CONFIGS`) is that
+    architecture with seeded random weights and the default model's tokenizer, or that of the spec after an
+    ``@`` (``random:qwen2.5-0.5b@/path/to/tokenizer``; :func:`load_random_model`): the same weights in every
+    process, for speed figures where the real weights cannot be fetched.
+
     Raises:
         ModelNotFoundError: the spec names nothing loadable here; the message says what to do.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if spec.startswith(RANDOM_PREFIX):
+        arch, _, tokenizer_from = spec.removeprefix(RANDOM_PREFIX).partition("@")
+        loaded = load_random_model(arch, dtype, threads, tokenizer_from or DEFAULT_MODEL, device=device)
+        return replace(loaded, spec=spec)
     set_threads(threads)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
@@ -305,7 +314,8 @@ def build_random_model(config, dtype: torch.dtype = torch.float32, seed: int = 0
     return model
 
 
-def load_random_model(config_name: str, dtype: str = "auto", threads: int | None = None, tokenizer_from: str = DEFAULT_MODEL) -> LoadedModel:
+def load_random_model(config_name: str, dtype: str = "auto", threads: int | None = None, tokenizer_from: str = DEFAULT_MODEL,
+                      device: str | None = None) -> LoadedModel:
     """A named architecture with seeded random weights, paired with a real tokenizer (ids fit its vocabulary)."""
     from transformers import AutoConfig
 
@@ -314,7 +324,7 @@ def load_random_model(config_name: str, dtype: str = "auto", threads: int | None
             f"unknown {setting('model_config')} {config_name!r}; choose one of {', '.join(MODEL_CONFIGS)}"
         )
     set_threads(threads)
-    dev = resolve_device(None)
+    dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     params = dict(MODEL_CONFIGS[config_name])
     config = AutoConfig.for_model(params.pop("model_type"), **params)
