@@ -29,8 +29,10 @@ browser:
 test: install browser
 	$(BIN)/python -m pytest
 
+# Everything but the embedded model, Ray, Chromium and the slow tests (markers: pyproject.toml, docs/testing.md).
+FAST := not slow and not embedded and not ray and not browser
 test-fast: install
-	$(BIN)/python -m pytest -m "not embedded"
+	$(BIN)/python -m pytest -m "$(FAST)"
 
 # Mutation testing (slow; NOT part of `make test`). What it mutates and which tests it runs: [tool.mutmut] in
 # pyproject.toml; results and the judged survivors: docs/testing.md.

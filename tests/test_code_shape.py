@@ -14,6 +14,8 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 MODULES = sorted(SRC.rglob("*.py"))
 
+pytestmark = pytest.mark.source_text
+
 
 def functions(tree: ast.AST):
     for node in ast.walk(tree):

@@ -15,7 +15,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LINT_IMPORTS = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
 
-pytestmark = pytest.mark.skipif(LINT_IMPORTS is None, reason="import-linter is not installed (pip install '.[test]')")
+pytestmark = [
+    pytest.mark.source_text,
+    pytest.mark.skipif(LINT_IMPORTS is None, reason="import-linter is not installed (pip install '.[test]')"),
+]
 
 
 def lint(project: Path, src: Path) -> subprocess.CompletedProcess:
@@ -37,6 +40,7 @@ def test_the_package_keeps_its_layers_and_has_no_cycles():
     assert "2 kept, 0 broken" in result.stdout, result.stdout
 
 
+@pytest.mark.slow
 def test_an_upward_import_breaks_the_contract(tmp_path):
     """Storage (cache/) importing the record loop (run/), as quant.py once did inside a function."""
     package = copy_project(tmp_path)
@@ -48,6 +52,7 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
     assert str(tmp_path) in lint_origin(tmp_path), "lint-imports read the copy, not the installed package"
 
 
+@pytest.mark.slow
 def test_a_cycle_between_siblings_breaks_the_contract(tmp_path):
     """The disk tier importing the pool, which imports the disk tier."""
     package = copy_project(tmp_path)

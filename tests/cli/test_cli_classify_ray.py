@@ -75,6 +75,7 @@ def ray_installed():
         pytest.importorskip("ray.data", reason="Ray is not installed: pip install 'prefixcache[ray]'")
 
 
+@pytest.mark.ray
 def test_ray_workers_write_the_labels_of_a_local_run(ray_installed, source, tmp_path, tmp_path_factory):
     model = save_tiny_model(tmp_path_factory, "qwen2")
     task = tmp_path / "task.yaml"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -69,3 +70,44 @@ def test_float32_twin_copies_a_bfloat16_model_and_keeps_a_float32_one():
     assert twin.prompt.prefix_ids == fast.prompt.prefix_ids and twin.method == fast.method
     exact = Classifier(tiny_loaded("qwen2"), task)
     assert float32_twin(exact) is exact
+
+
+@pytest.mark.slow
+def test_demo_pool_runs_five_tasks_through_a_budget_that_holds_three(tmp_path_factory, monkeypatch):
+    """``demo --pool`` on the long-context tiny Llama: no pool ever holds more than the budget, the disk tier
+    serves evicted prefixes back with the same labels, and int8 storage holds fewer bytes than float.
+
+    The tiny BPE makes the bundled tickets-compact prompt a fifth of the others (no budget then holds every
+    three and no four), so here the five tasks are variants of support-tickets of similar sizes (and shorter,
+which keeps the test's prefix builds short)."""
+    import re
+
+    from prefixcache.cache.eviction import POLICIES
+    from prefixcache.cli import demo_pool
+
+    tickets = load_task("support-tickets")
+    variants = [tickets.model_copy(update={"name": f"tickets-{k}", "examples": tickets.examples[:k]}) for k in (6, 5, 4, 3)]
+    variants.append(tickets.model_copy(update={"name": "tickets-6-reversed", "examples": tickets.examples[5::-1]}))
+    monkeypatch.setattr(demo_pool, "five_tasks", lambda: variants)
+    folder = save_tiny_model(tmp_path_factory, loaded=long_context_llama())
+    result = CliRunner().invoke(app, ["demo", "--pool", "--model", folder, "--dtype", "float32", "--subset", "6"])
+    assert result.exit_code == 0, result.output
+    text = result.output
+    budget = int(re.search(r"budget \S+ \S+ \(([\d,]+) B\): any three fit, no four do", text).group(1).replace(",", ""))
+    held = [int(n.replace(",", "")) for n in re.findall(r"bytes held \S+ \S+ \(([\d,]+) B,", text)]
+    assert len(held) == len(POLICIES) + 2, f"each policy, LRU with the disk tier, and int8: {text}"
+    assert all(0 < h <= budget for h in held), f"a pool held more than its budget {budget}: {held}"
+    assert "disk loads  0" not in text.split("lru+disk")[1].split("\n")[0], "evicted prefixes must come back from disk"
+    assert "labels from the disk-loaded prefix equal labels from a computed one: True (6 tickets, source disk)" in text
+    saved = re.search(r"held \S+ \S+ where float would hold \S+ \S+: \S+ \S+ saved \((\d+)%\)", text)
+    assert saved and int(saved.group(1)) > 0, text
+    assert len(re.findall(r"\n  \S+\s+\d+ tokens ", text)) == 5, "the five prefixes are listed"
+
+
+def test_the_pool_demos_budget_holds_any_three_prefixes_and_no_four():
+    from prefixcache.cli.demo_pool import choose_budget
+
+    budget = choose_budget([100, 90, 95, 85, 80])
+    assert budget == 90 + 95 + 100, "the three largest fit"
+    assert budget < 80 + 85 + 90 + 95, "the four smallest do not"
+    assert choose_budget([10, 10, 10, 100, 100]) is None, "three large ones outweigh four small ones: no such budget"

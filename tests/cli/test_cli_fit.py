@@ -139,6 +139,7 @@ def test_fit_names_the_row_and_field_of_an_unknown_label(fitted, model_dir, tmp_
     assert "'label'" in result.output and "r3-4" in result.output and "shipping" in result.output
 
 
+@pytest.mark.ray
 def test_ray_workers_score_through_the_head_as_a_local_run_does(fitted, model_dir, tmp_path):
     pytest.importorskip("ray.data", reason="Ray is not installed: pip install 'prefixcache[ray]'")
     common = ["--task", fitted["task"], "--model", model_dir, "--dtype", "float32", "--id-field", "id",

@@ -87,6 +87,7 @@ def scratch(tmp_path):
     shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_a_million_rows_take_no_more_memory_than_ten_thousand(tmp_path_factory, scratch):
     model = _smallest_model(tmp_path_factory)
     (scratch / "task.yaml").write_text(TASK_YAML)

@@ -216,6 +216,7 @@ def _assert_same_lines(ray_lines, local_lines):
             assert drift <= 1e-4, f"row {n}: Ray's log P({label}) is {drift:.2e} from the local run's (float32 noise is < 1e-4)"
 
 
+@pytest.mark.ray
 def test_two_actors_give_the_local_runs_lines(local_ray, model_dir, task_file, local_classifier, tmp_path):
     tickets = generate_tickets(200)
     tickets[5]["text"] = None  # reported on its own line, as locally
@@ -238,6 +239,7 @@ def test_two_actors_give_the_local_runs_lines(local_ray, model_dir, task_file, l
     assert any(line.startswith("total: 200 records") for line in log)
 
 
+@pytest.mark.ray
 def test_a_worker_that_dies_is_retried_and_no_row_is_lost_or_doubled(
     local_ray, fail_marker, model_dir, task_file, local_classifier, tmp_path
 ):
@@ -260,6 +262,7 @@ def test_a_worker_that_dies_is_retried_and_no_row_is_lost_or_doubled(
     assert summary.records == 120 and summary.errors == 0
 
 
+@pytest.mark.ray
 def test_a_local_run_asking_for_gpus_it_lacks_fails_before_starting_workers(local_ray, model_dir, task_file, tmp_path):
     """Without the check, the workers would wait for GPUs until --start-timeout (900 s by default).
     (64 GPUs: more than any machine this runs on has.)"""
@@ -271,6 +274,7 @@ def test_a_local_run_asking_for_gpus_it_lacks_fails_before_starting_workers(loca
     assert not list((tmp_path / "out").glob("part-*.jsonl"))
 
 
+@pytest.mark.ray
 def test_an_error_on_a_worker_reaches_the_caller_as_itself(local_ray, task_file, tmp_path):
     source = tmp_path / "tickets.jsonl"
     source.write_text('{"text": "refund"}\n')

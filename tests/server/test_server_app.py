@@ -386,6 +386,7 @@ def _chromium() -> str | None:
     return next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 
 
+@pytest.mark.browser
 @pytest.mark.skipif(_chromium() is None, reason="no Chromium on this machine (CI installs Debian's chromium and chromium-driver)")
 def test_web_page_in_headless_chromium(loaded, task, tmp_path, monkeypatch):
     from selenium import webdriver

@@ -24,6 +24,8 @@ from prefixcache.task.definition import parse_task
 
 from tests.support.tasks import EXTRACT_YAML, TASK_YAML
 
+pytestmark = pytest.mark.slow  # a real server answering hundreds of generated requests
+
 KEY = "fuzz-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES = int(os.environ.get("PREFIXCACHE_FUZZ_EXAMPLES", "25"))  # generated requests per operation (issue 19: 200)

@@ -19,7 +19,7 @@ from rich.console import Console
 from ..types import DEFAULT_TASK, Mode, RunConfig, RunStats
 from .errors import reported, err, out
 from .demo_head import fitted_head_section
-from .loading import setup_classifier
+from .loading import load, setup_classifier
 from .options import BatchOpt, DtypeOpt, ModelOpt, ThreadsOpt
 from .reports import timing_table
 
@@ -32,8 +32,15 @@ def demo(
     batch_size: int = BatchOpt,
     subset: int = typer.Option(60, "--subset", min=1, help="Tickets in the side-by-side timing."),
     out_dir: Path = typer.Option(Path("prefixcache-out"), "--out-dir", help="Where the results folder is made."),
+    pool: bool = typer.Option(False, "--pool", help="Instead: five tasks through a prefix pool whose budget holds "
+                              "three (policies, disk tier, int8 storage); --subset tickets in its label checks."),
 ):
     """Classify the 600 bundled support tickets, print accuracy and a full/cached/batched timing table."""
+    if pool:
+        from .demo_pool import run_pool_demo
+
+        run_pool_demo(load(model, dtype, threads), subset, out, err)
+        return
     if out_dir.exists() and not out_dir.is_dir():
         raise typer.BadParameter(f"{out_dir} is a file; name a folder", param_hint="--out-dir")
     classifier = setup_classifier(DEFAULT_TASK, model, dtype, threads, "auto")
