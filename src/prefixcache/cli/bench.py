@@ -17,6 +17,10 @@ from .options import DtypeOpt, ThreadsOpt
 from .reports import timing_table
 
 BENCH = BenchOptions()
+RAY_WORKERS = typer.Option(
+    [], "--ray-workers", min=1, help="Instead: the same records through a local Ray of N workers (repeat for "
+    "several rows) against one process with all cores and with one thread; a markdown table."
+)
 
 
 @reported
@@ -49,6 +53,7 @@ def bench(
         None, "--head", help="A fitted label head (prefixcache fit), or 'fit' to fit one on the bench's own records "
         "first (timing only): adds full+head and batched+head lanes. Default: the task file's head:, if any."
     ),
+    ray_workers: list[int] = RAY_WORKERS,
 ):
     """Time full, cached, batched (and llama.cpp) on the same records in one run; report ratios and % of peak.
     With a head, also full and batched through it (agreement measured against full+head). With labels that
@@ -66,6 +71,8 @@ def bench(
         full_items=full_items, before_batch_size=before_batch_size,
     )
     quiet_transformers()
+    if ray_workers:
+        return ray_lane(options, tuple(ray_workers))
     report, document = run_bench(options, log=lambda line: err.print(line, highlight=False))
     out.print(timing_table(report.results, document_title(document)))
     if json_path:
@@ -92,3 +99,23 @@ def write_plots(report, document: dict, plot: Optional[Path], sweep_plot: Option
 
 def document_title(document: dict) -> str:
     return f"{document['model']} | {document['items']} items | prefix {document['prefix_tokens']} tok | {document['threads']} threads"
+
+
+def ray_lane(options: BenchOptions, workers: tuple[int, ...]) -> None:
+    """``--ray-workers``: the bench's records through one process and through local Ray; prints the table."""
+    import os
+
+    from ..bench.job import bench_records
+    from ..scaleout.bench_lane import RayBench, ray_table, run_ray_bench
+
+    if options.model_config:
+        raise typer.BadParameter("--ray-workers loads --model in every worker; use --model random:ARCH instead")
+    cores = len(os.sched_getaffinity(0))
+    setup = RayBench(options.task, options.model, options.dtype, options.batch_size, cores, workers)
+    records = bench_records(options)
+    rows = run_ray_bench(setup, records, log=lambda line: err.print(line, highlight=False))
+    load = os.getloadavg()
+    out.print(f"{options.model} ({rows[0].dtype}), task {options.task}, {len(records)} records, batch "
+              f"{options.batch_size}, {cores} cores; load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n",
+              highlight=False)
+    out.print(ray_table(rows, len(records)), highlight=False, soft_wrap=True)

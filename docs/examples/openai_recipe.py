@@ -7,8 +7,8 @@ port, with the embedded model). Nothing in the prompt is a ``prefixcache`` task 
 the shared system prompt and few-shot turns in its prefix pool by itself. Prints each answer, its
 per-choice log-probs and ``usage.prompt_tokens_details.cached_tokens``.
 
-    python scripts/openai_recipe.py                 # embedded model, float32
-    python scripts/openai_recipe.py --model PATH    # any chat model folder
+    python docs/examples/openai_recipe.py                 # embedded model, float32
+    python docs/examples/openai_recipe.py --model PATH    # any chat model folder
 """
 
 from __future__ import annotations
