@@ -1,4 +1,4 @@
-"""Session fixtures every package's tests may use: the tiny tokenizer, tiny random Llama/Qwen2 models and the
+"""Run-wide fixtures every package's tests may use: the tiny tokenizer, tiny random Llama/Qwen2 models and the
 tiny task, built once per run. The builders and texts behind them are importable from ``tests.support``."""
 
 from __future__ import annotations

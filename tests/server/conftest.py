@@ -1,4 +1,4 @@
-"""The server tests' model: the session's tiny Llama (tests/conftest.py), shared, never rebuilt per module.
+"""The server tests' model: the run's tiny Llama (tests/conftest.py), shared, never rebuilt per module.
 Serving does not change a model, so one instance serves every server test."""
 
 from __future__ import annotations
