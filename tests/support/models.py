@@ -3,10 +3,14 @@ models over it. Nothing here touches the network or the disk outside pytest's tm
 
 from __future__ import annotations
 
+import json
+
 import torch
+from safetensors.torch import save_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
+from prefixcache.model.decoder_choice import as_lean
 from prefixcache.model.load import LoadedModel, build_random_model
 
 CHATML = (
@@ -56,16 +60,26 @@ def tiny_config(arch: str, vocab: int):
     return Qwen2Config(**common, rope_theta=1e6, use_sliding_window=False)
 
 
-def tiny_loaded(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> LoadedModel:
+def tiny_loaded(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, decoder: str = "lean") -> LoadedModel:
+    """A tiny random ``arch`` model (seeded) on ``decoder``: ``lean`` (as the product runs these families; the oracle
+    test ``tests/model/test_lean_oracle.py`` holds it equal to transformers) or ``transformers`` (the fallback)."""
     tokenizer = make_tokenizer()
     model = build_random_model(tiny_config(arch, len(tokenizer)), dtype=dtype, seed=seed)
+    if decoder == "lean":
+        model = as_lean(model)
     return LoadedModel(model, tokenizer, f"tiny-{arch}", f"tiny-{arch}-seed{seed}", dtype, torch.device("cpu"))
 
 
 def save_tiny_model(tmp_path_factory, arch: str = "qwen2", loaded: LoadedModel | None = None) -> str:
-    """Save a tiny model and its tokenizer to a fresh folder, usable as ``--model``; returns the folder."""
+    """Save a tiny model and its tokenizer to a fresh folder, usable as ``--model``; returns the folder.
+
+    A lean model is written as a Hugging Face folder too (its ``config.json`` and a safetensors file)."""
     loaded = loaded or tiny_loaded(arch)
     folder = tmp_path_factory.mktemp(f"{loaded.spec}-model")
-    loaded.model.save_pretrained(folder)
+    if loaded.decoder == "lean":
+        (folder / "config.json").write_text(json.dumps(loaded.model.config.raw))
+        save_model(loaded.model, str(folder / "model.safetensors"))
+    else:
+        loaded.model.save_pretrained(folder)
     loaded.tokenizer.save_pretrained(folder)
     return str(folder)

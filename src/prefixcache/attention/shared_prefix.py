@@ -25,6 +25,11 @@ model builds is consulted only for the own tokens of padded rows. Ordinary key t
 ``DynamicCache`` building a prefix, or no cache) go to transformers' SDPA path
 unchanged. A :class:`SharedKV` reaching any other attention implementation
 fails loudly instead of silently dropping the prefix.
+
+The lean decoder (:mod:`prefixcache.model.lean`) calls :func:`shared_prefix_attention` from its own layers.
+transformers is imported only when a transformers model is set to attend through it
+(:func:`use_shared_prefix_attention`, which registers it once) or hands it plain tensors, so the lean path
+never imports transformers.
 """
 
 from __future__ import annotations
@@ -32,10 +37,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import functools
+
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "prefixcache"
 
@@ -93,9 +97,24 @@ class SharedKV:
 
 
 def use_shared_prefix_attention(model: torch.nn.Module) -> None:
-    """Make ``model`` attend through :func:`shared_prefix_attention` (idempotent, cheap)."""
-    if model.config._attn_implementation != NAME:
+    """Make a transformers ``model`` attend through :func:`shared_prefix_attention` (idempotent, cheap).
+
+    A model that chooses no attention implementation (the lean decoder, which calls the attention from
+    its own layers) is left as it is.
+    """
+    if hasattr(model, "set_attn_implementation") and model.config._attn_implementation != NAME:
+        _register()
         model.set_attn_implementation(NAME)
+
+
+@functools.cache
+def _register() -> None:
+    """Register the attention (and its mask format) with transformers, once, on first use."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, shared_prefix_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
 def shared_prefix_attention(
@@ -117,6 +136,8 @@ def shared_prefix_attention(
             packed rows, whose own part is causal per row by construction.
     """
     if not isinstance(key, SharedKV):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     unsupported = sorted(k for k in ("softcap", "s_aux", "sliding_window") if kwargs.get(k) is not None)
     if unsupported:
@@ -229,6 +250,3 @@ def _merge(out_own, lse_own, out_prefix, lse_prefix) -> torch.Tensor:
     weight = torch.sigmoid(lse_prefix - lse_own).to(out_own.dtype)[..., None]  # [B, H, T, 1]
     return torch.lerp(out_own, out_prefix, weight)
 
-
-AttentionInterface.register(NAME, shared_prefix_attention)
-AttentionMaskInterface.register(NAME, sdpa_mask)

@@ -4,7 +4,7 @@ A :class:`PrefixKV` holds, per decoder layer, the keys and values of the prefix
 tokens for batch size 1. It is never written after it is built.
 
 A batch does not copy the prefix. :meth:`PrefixKV.fork` returns a
-:class:`ForkedCache`, a transformers ``Cache`` whose layers keep the shared
+:class:`ForkedCache`, whose layers keep the shared
 prefix tensors by reference and store only the batch's *own* tokens. On every
 attention call a layer hands the attention a :class:`~prefixcache.attention.shared_prefix.SharedKV`
 (prefix + own), and :mod:`prefixcache.attention.shared_prefix` reads the single prefix copy
@@ -14,16 +14,22 @@ Forks of one prefix are independent: each has its own suffix state, so any
 number of them (threads, requests, label continuations) can run at once
 without sharing a mutable tensor (invariant 2).
 
+A fork is a plain object that the lean decoder (:mod:`prefixcache.model.lean`) calls as it is. Once
+transformers is loaded in the process (a transformers model may be in use), a fork is also a transformers
+``Cache`` (:func:`_fork_classes`), which transformers' models need; so the lean path never imports
+transformers, and the transformers path works as before.
+
 This module knows nothing about tasks, labels or tokenizers.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import sys
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from ..attention.shared_prefix import Packing, SharedKV, use_shared_prefix_attention
 from ..errors import PromptError
@@ -66,7 +72,7 @@ class PrefixKV:
         with torch.inference_mode():
             device = next(model.parameters()).device
             ids = torch.tensor([list(token_ids)], device=device)  # [1, P]
-            cache = DynamicCache(config=model.config)
+            cache = _prefill_cache(model)
             model.base_model(input_ids=ids, cache=cache, use_cache=True)
             keys = tuple(layer.keys for layer in cache.layers)  # each [1, kv_heads, P, head_dim]
             values = tuple(layer.values for layer in cache.layers)
@@ -80,7 +86,8 @@ class PrefixKV:
         """
         if packing is not None and batch_size != 1:
             raise ValueError(f"packed rows are one sequence: fork(1, packing), not fork({batch_size}, packing)")
-        return ForkedCache([_ForkLayer(k, v, batch_size, packing) for k, v in zip(self.keys, self.values)])
+        layer_class, cache_class = _fork_classes("transformers" in sys.modules)
+        return cache_class([layer_class(k, v, batch_size, packing) for k, v in zip(self.keys, self.values)])
 
     def checksum(self) -> str:
         """SHA-256 over the token ids and every stored tensor's dtype, shape and raw bytes.
@@ -197,7 +204,17 @@ def _require_full_attention(config) -> None:
         )
 
 
-class _ForkLayer(DynamicLayer):
+def _prefill_cache(model: torch.nn.Module):
+    """An empty cache for a prefix build: the lean decoder's own, else a transformers ``DynamicCache``."""
+    new_cache = getattr(model.base_model, "new_cache", None)
+    if new_cache is not None:
+        return new_cache()
+    from transformers.cache_utils import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+class _ForkLayer:
     """One layer of a fork: the shared prefix by reference plus this batch's own keys/values.
 
     ``self.keys``/``self.values`` hold only the own tokens, ``[B, kv_heads, S_own, head_dim]``.
@@ -206,7 +223,9 @@ class _ForkLayer(DynamicLayer):
     is_croppable = False
 
     def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, batch_size: int, packing: Packing | None = None):
-        super().__init__()
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.is_initialized = False
         self.prefix_keys = prefix_keys  # [1, kv_heads, P, head_dim], never written
         self.prefix_values = prefix_values
         self.batch_size = batch_size
@@ -248,14 +267,30 @@ class _ForkLayer(DynamicLayer):
         self.batch_size = int(indices.numel())
 
 
-class ForkedCache(Cache):
+class ForkedCache:
     """A per-batch cache over a shared :class:`PrefixKV`. Safe to mutate; the prefix is untouched.
 
-    ``get_seq_length()`` is prefix length plus own tokens, so transformers sizes masks correctly.
+    ``update(k, v, layer_idx)`` appends a pass's keys/values and returns a
+    :class:`~prefixcache.attention.shared_prefix.SharedKV` pair; ``get_seq_length()`` is prefix length plus own
+    tokens, so masks are sized correctly.
     """
 
     def __init__(self, layers: list[_ForkLayer]):
-        super().__init__(layers=layers)
+        self.layers = layers
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for layer in self.layers:
+            layer.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.batch_select_indices(indices)
 
     @property
     def batch_size(self) -> int:
@@ -264,3 +299,23 @@ class ForkedCache(Cache):
     @property
     def own_length(self) -> int:
         return self.layers[0].own_length()
+
+
+@functools.cache
+def _fork_classes(transformers_loaded: bool) -> tuple[type, type]:
+    """The fork's layer and cache classes: plain, or (once transformers is loaded) also transformers' ``Cache``
+    and ``DynamicLayer``, which transformers' models call. Both serve the lean decoder alike."""
+    if not transformers_loaded:
+        return _ForkLayer, ForkedCache
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class TransformersForkLayer(_ForkLayer, DynamicLayer):
+        def __init__(self, *args, **kwargs):
+            DynamicLayer.__init__(self)
+            _ForkLayer.__init__(self, *args, **kwargs)
+
+    class TransformersForkedCache(ForkedCache, Cache):
+        def __init__(self, layers: list[_ForkLayer]):
+            Cache.__init__(self, layers=layers)
+
+    return TransformersForkLayer, TransformersForkedCache

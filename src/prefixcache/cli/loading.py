@@ -44,7 +44,8 @@ def load(model: str, dtype: str, threads: Optional[int], trust_remote_code: bool
     started = time.perf_counter()
     loaded = open_model(model, dtype, threads, trust_remote_code=trust_remote_code)
     seconds = time.perf_counter() - started
-    err.print(f"model {loaded.identity} ({str(loaded.dtype).removeprefix('torch.')}) loaded in {seconds:.1f} s")
+    err.print(f"model {loaded.identity} ({str(loaded.dtype).removeprefix('torch.')}, {loaded.decoder} decoder) "
+              f"loaded in {seconds:.1f} s")
     return loaded
 
 

@@ -11,6 +11,10 @@ A ``.gguf`` is dequantized by transformers on first use (slow), then converted
 once into a safetensors folder under the user cache, keyed by the file's
 SHA-256, so every later start is a plain safetensors load.
 
+The model runs on the lean decoder (:mod:`prefixcache.model.lean`, plain torch) when it covers the
+architecture (the Llama family), else on transformers, the fallback; ``PREFIXCACHE_DECODER=transformers``
+(or ``decoder="transformers"``) forces the fallback. :attr:`LoadedModel.decoder` says which one serves.
+
 This module does not know about tasks, prompts or caches.
 """
 
@@ -32,6 +36,9 @@ import torch
 
 from .allocator import keep_freed_memory
 from .catalog import DEFAULT_MODEL, DTYPE_CHOICES, DTYPE_NAMES, EMBEDDED, MODEL_CONFIGS, RANDOM_PREFIX
+from .decoder_choice import DECODER_ENV, as_lean, choose_decoder, model_folder
+from .lean.config import lean_reason
+from .lean.weights import load_lean
 from ..errors import ModelNotFoundError, setting
 
 log = logging.getLogger(__name__)
@@ -53,6 +60,11 @@ class LoadedModel:
     @property
     def config(self):
         return self.model.config
+
+    @property
+    def decoder(self) -> str:
+        """``"lean"`` (our decoder, :mod:`prefixcache.model.lean`) or ``"transformers"`` (the fallback)."""
+        return getattr(self.model, "decoder", "transformers")
 
 
 def cache_home() -> Path:
@@ -270,6 +282,7 @@ def load_model(
     threads: int | None = None,
     device: str | None = None,
     trust_remote_code: bool = False,
+    decoder: str | None = None,
 ) -> LoadedModel:
     """Load a model and tokenizer ready for inference (eval mode, no grad needed).
 
@@ -278,10 +291,15 @@ def load_model(
     ``@`` (``random:qwen2.5-0.5b@/path/to/tokenizer``; :func:`load_random_model`): the same weights in every
     process, for speed figures where the real weights cannot be fetched.
 
+    ``decoder``: ``auto`` (the default, or ``$PREFIXCACHE_DECODER``) takes the lean decoder where it covers
+    the model and transformers elsewhere; ``lean`` requires the lean decoder; ``transformers`` forces the fallback.
+
     Raises:
         ModelNotFoundError: the spec names nothing loadable here; the message says what to do.
+        ModelNotFoundError: also for an unknown ``decoder``, or ``lean`` for a model it does not cover (the message
+            says why).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if spec.startswith(RANDOM_PREFIX):
         arch, _, tokenizer_from = spec.removeprefix(RANDOM_PREFIX).partition("@")
@@ -293,14 +311,22 @@ def load_model(
     source, identity, _ = local_source(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch_dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
-        )
+        model = _load_weights(source, torch_dtype, trust_remote_code, choose_decoder(source, decoder))
     except OSError as exc:
         raise ModelNotFoundError(f"could not load model {spec!r}: {exc}") from None
     model.to(dev).eval()
     model.requires_grad_(False)
     return LoadedModel(model, tokenizer, spec, identity, torch_dtype, dev)
+
+
+def _load_weights(source: str, dtype: torch.dtype, trust_remote_code: bool, decoder: str) -> torch.nn.Module:
+    if decoder == "lean":
+        return load_lean(model_folder(source), dtype)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        source, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+    )
 
 
 def build_random_model(config, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
@@ -316,7 +342,8 @@ def build_random_model(config, dtype: torch.dtype = torch.float32, seed: int = 0
 
 def load_random_model(config_name: str, dtype: str = "auto", threads: int | None = None, tokenizer_from: str = DEFAULT_MODEL,
                       device: str | None = None) -> LoadedModel:
-    """A named architecture with seeded random weights, paired with a real tokenizer (ids fit its vocabulary)."""
+    """A named architecture with seeded random weights, paired with a real tokenizer (ids fit its vocabulary),
+    on the lean decoder where it covers the architecture (as ``$PREFIXCACHE_DECODER`` allows)."""
     from transformers import AutoConfig
 
     if config_name not in MODEL_CONFIGS:
@@ -330,6 +357,8 @@ def load_random_model(config_name: str, dtype: str = "auto", threads: int | None
     config = AutoConfig.for_model(params.pop("model_type"), **params)
     tokenizer = load_model_tokenizer(tokenizer_from)
     model = build_random_model(config, dtype=torch_dtype).to(dev)
+    if os.environ.get(DECODER_ENV, "auto") != "transformers" and lean_reason(config.to_dict()) is None:
+        model = as_lean(model)
     return LoadedModel(model, tokenizer, config_name, f"random:{config_name}", torch_dtype, dev)
 
 

@@ -1,0 +1,155 @@
+"""Lean decoder vs transformers: greedy decode steps on the embedded model after the ticket-fields prefix.
+
+For each dtype, both decoders side by side in one run: B=1 and B=8 tokens/s and ms per step, the share of the
+B=1 weight-read floor (memory bandwidth measured in the same run / weight bytes), greedy agreement with the
+transformers decoder, and a torch.profiler split of one B=1 step (weight matmuls vs everything else).
+Optional levers: ``--int8`` (weight-only int8, per-channel scales, ``torch._weight_int8pack_mm``) and
+``--compile`` (``torch.compile`` of the lean decoder stack).
+
+    PYTHONPATH=src python scripts/lean_decode_bench.py --steps 32 --int8 > lean.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+
+import torch
+
+from prefixcache.bench.decode_step import profile_step, time_decode
+from prefixcache.bench.roofline import decode_floor
+from prefixcache.bench.workload import ticket_records
+from prefixcache.cache.kv import PrefixKV
+from prefixcache.model.load import load_model
+from prefixcache.task.definition import load_any_task
+from prefixcache.task.extract_prompt import build_extract_prompt
+
+
+class Int8Linear(torch.nn.Module):
+    """A weight-only int8 linear layer: per-output-channel symmetric scales, activations kept in their dtype."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()  # [N, K]
+        scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127  # [N]
+        self.register_buffer("weight_int8", torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(linear.weight.dtype))
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [M, K]
+        out = torch._weight_int8pack_mm(flat, self.weight_int8, self.scales)  # [M, N]
+        out = out.view(*x.shape[:-1], -1)
+        return out if self.bias is None else out + self.bias
+
+
+def to_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """Swap every linear layer of the decoder stack (not the output head) for :class:`Int8Linear`, in place."""
+    for layer in model.base_model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, Int8Linear(child))
+    return model
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a step reads: parameters and buffers (an int8 layer keeps its weights in buffers),
+    each stored tensor once."""
+    seen, total = set(), 0
+    for t in (*model.parameters(), *model.buffers()):
+        if (t.data_ptr(), t.numel()) not in seen:
+            seen.add((t.data_ptr(), t.numel()))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def rows_and_prefix(tokenizer, items: int):
+    task = load_any_task("ticket-fields")
+    prompt = build_extract_prompt(task, tokenizer)
+    rows = [tokenizer(f"Ticket: {r.fields['text']}\n", add_special_tokens=False)["input_ids"] for r in ticket_records(items)]
+    return list(prompt.prefix_ids), rows
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of rows whose greedy tokens are identical."""
+    return sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+def lanes(args, dtype: str) -> list[tuple[str, torch.nn.Module, object]]:
+    """Every lane of ``dtype`` as (name, model, tokenizer): transformers first (the reference)."""
+    out = []
+    for decoder in ("transformers", "lean"):
+        loaded = load_model("smollm2-135m", dtype, args.threads, decoder=decoder)
+        out.append((decoder, loaded.model, loaded.tokenizer))
+    if args.int8 and dtype == "bfloat16":
+        loaded = load_model("smollm2-135m", dtype, args.threads, decoder="lean")
+        out.append(("lean int8", to_int8(loaded.model), loaded.tokenizer))
+    if args.compile:
+        loaded = load_model("smollm2-135m", dtype, args.threads, decoder="lean")
+        loaded.model.model.forward = torch.compile(loaded.model.model.forward, dynamic=True)
+        out.append(("lean compiled", loaded.model, loaded.tokenizer))
+    return out
+
+
+def measure(args, dtype: str) -> list[tuple]:
+    """Time every lane of ``dtype`` at B=1 and B=8, interleaved over ``args.rounds`` rounds (best round kept, so
+    a lane is not penalized for the moment another process took the cores), and profile one B=1 step each."""
+    models = lanes(args, dtype)
+    prefix_ids, rows = rows_and_prefix(models[0][2], 8)
+    prefixes = [PrefixKV.build(model, prefix_ids) for _, model, _ in models]
+    floor = max((decode_floor(models[0][1]) for _ in range(3)), key=lambda f: f.memory_read_gb_s)
+    best, tokens = {}, {}
+    for _ in range(args.rounds):
+        for (name, model, _), prefix in zip(models, prefixes):
+            for batch in (1, 8):
+                timing, generated = time_decode(model, prefix, rows[:batch], args.steps)
+                if (name, batch) not in best or timing.seconds < best[name, batch].seconds:
+                    best[name, batch] = timing
+                tokens[name, batch] = generated
+    profiles = {name: profile_step(model, prefix, rows[0], steps=3) for (name, model, _), prefix in zip(models, prefixes)}
+    table = []
+    for name, model, _ in models:
+        floor_of = replace(floor, weight_bytes=model_bytes(model))
+        for batch in (1, 8):
+            timing = best[name, batch]
+            table.append((dtype, name, batch, timing, floor_of, agreement(tokens[name, batch], tokens[models[0][0], batch]),
+                          profiles[name]))
+    return table, len(prefix_ids)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--int8", action="store_true")
+    parser.add_argument("--compile", action="store_true")
+    args = parser.parse_args()
+    rows, tables = [], []
+    for dtype in args.dtypes:
+        measured, prefix_len = measure(args, dtype)
+        rows.extend(measured)
+    print(f"prefix: {prefix_len} tokens (ticket-fields); {args.steps} steps per timing, best of {args.rounds} interleaved rounds\n")
+    print("| dtype | decoder | B | ms/step | tokens/s | % of B=1 floor | greedy rows = transformers | "
+          "B=1 weight matmuls ms/step | B=1 outside matmuls |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for dtype, name, batch, timing, floor, agree, prof in rows:
+        pct = f"{floor.pct(timing.tokens_per_s):.0f}%" if batch == 1 else "–"
+        split = f"{prof.matmul_ms:.1f} | {1 - prof.matmul_ms / prof.total_ms:.0%}" if batch == 1 else "– | –"
+        print(f"| {dtype} | {name} | {batch} | {timing.ms_per_step:.1f} | {timing.tokens_per_s:.1f} | {pct} | {agree:.0%} | "
+              f"{split} |")
+        if batch == 1:
+            tables.append((dtype, name, prof, floor))
+    for dtype, name, prof, floor in tables:
+        print(f"\n#### {dtype}, {name}: one B=1 step (profiled {prof.total_ms:.1f} ms, weight matmuls {prof.matmul_ms:.1f} ms;"
+              f" floor {floor.tokens_per_s:.0f} tokens/s = {floor.memory_read_gb_s:.1f} GB/s / {floor.weight_bytes / 1e6:.0f} MB)"
+              f"\n\n```\n{prof.table}```")
+
+
+if __name__ == "__main__":
+    started = time.perf_counter()
+    main()
+    print(f"\n(whole run {time.perf_counter() - started:.0f} s)")

@@ -1,0 +1,118 @@
+"""The cost of one greedy decode step, alone: rows continue a stored prefix, one token per row per step, as
+:func:`~prefixcache.engine.generate.generate_rows` runs them (the same ``forward_rows`` call, the output head,
+an argmax), without stop strings, detokenizing or a grammar, so decoders and dtypes compare on the step alone.
+
+* :func:`time_decode`: ms per step and tokens/s at a batch size, after a prefill and a warm-up step;
+* :func:`profile_step`: one step under ``torch.profiler``, split into the weight matmuls (``aten::mm``,
+  ``aten::addmm``, ``aten::_weight_int8pack_mm`` ...) and everything else.
+
+This module knows nothing about tasks or files; :mod:`scripts/lean_decode_bench.py` drives it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.kv import PrefixKV
+from ..engine.rows import forward_rows, pad_rows
+
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu")
+
+
+@dataclass(frozen=True)
+class DecodeTiming:
+    """``steps`` greedy decode steps of ``batch`` rows: ``ms_per_step`` and ``tokens_per_s`` (all rows)."""
+
+    batch: int
+    steps: int
+    seconds: float
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1000 * self.seconds / self.steps
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch * self.steps / self.seconds
+
+
+class _Decoder:
+    """Greedy decoding state of ``rows`` after ``prefix``: a fork, each row's mask and next position."""
+
+    def __init__(self, model: torch.nn.Module, prefix: PrefixKV, rows: list[list[int]]):
+        self.model = model
+        device = prefix.keys[0].device
+        ids, mask, lengths = pad_rows(rows, device)  # [B, S]
+        batch = len(rows)
+        self.cache = prefix.fork(batch)
+        past = torch.ones(batch, prefix.length, dtype=torch.bool, device=device)  # [B, P]
+        hidden = forward_rows(model, self.cache, ids, mask, torch.full((batch,), prefix.length, device=device), past)
+        self.next_ids = self._pick(hidden[torch.arange(batch, device=device), lengths - 1])  # [B]
+        self.attention = torch.cat([past, mask], dim=1)  # [B, P + S]
+        self.positions = lengths + prefix.length  # [B]
+        self.tokens: list[torch.Tensor] = [self.next_ids]
+
+    def _pick(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(hidden).argmax(-1)  # [B]
+
+    def step(self) -> None:
+        step_mask = torch.ones(len(self.next_ids), 1, dtype=torch.bool, device=self.next_ids.device)  # [B, 1]
+        hidden = forward_rows(self.model, self.cache, self.next_ids[:, None], step_mask, self.positions, self.attention)
+        self.next_ids = self._pick(hidden[:, -1])
+        self.attention = torch.cat([self.attention, step_mask], dim=1)
+        self.positions = self.positions + 1
+        self.tokens.append(self.next_ids)
+
+    def generated(self) -> list[list[int]]:
+        """Every row's greedy tokens so far."""
+        return torch.stack(self.tokens, dim=1).tolist()  # [B, steps + 1]
+
+
+@torch.inference_mode()
+def time_decode(model: torch.nn.Module, prefix: PrefixKV, rows: list[list[int]], steps: int) -> tuple[DecodeTiming, list[list[int]]]:
+    """Prefill ``rows`` after ``prefix``, run one warm-up step, then time ``steps`` greedy steps.
+
+    Returns the timing and every row's greedy tokens (for agreement between decoders and dtypes).
+    """
+    decoder = _Decoder(model, prefix, rows)
+    decoder.step()  # warm-up
+    started = time.perf_counter()
+    for _ in range(steps):
+        decoder.step()
+    return DecodeTiming(len(rows), steps, time.perf_counter() - started), decoder.generated()
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """One profiled decode step: ``total_ms`` (wall), ``matmul_ms`` (self time of the weight matmuls) and the
+    profiler's top operators by self time (``table``, as ``torch.profiler`` prints it)."""
+
+    total_ms: float
+    matmul_ms: float
+    table: str
+
+    @property
+    def outside_share(self) -> float:
+        """The share of the step spent outside the weight matmuls."""
+        return 1 - self.matmul_ms / self.total_ms if self.total_ms else 0.0
+
+
+@torch.inference_mode()
+def profile_step(model: torch.nn.Module, prefix: PrefixKV, row: list[int], steps: int = 5, top: int = 12) -> StepProfile:
+    """Profile ``steps`` B=1 decode steps after a prefill and a warm-up; figures are per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decoder = _Decoder(model, prefix, [row])
+    decoder.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        started = time.perf_counter()
+        for _ in range(steps):
+            decoder.step()
+        wall = time.perf_counter() - started
+    events = prof.key_averages()
+    matmul_us = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS)
+    table = events.table(sort_by="self_cpu_time_total", row_limit=top)
+    return StepProfile(1000 * wall / steps, matmul_us / 1000 / steps, table)
