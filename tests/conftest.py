@@ -13,6 +13,7 @@ from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 from prefixcache.model.load import LoadedModel, build_random_model
 from prefixcache.task.definition import parse_task
+from prefixcache.task.tokenizer import LeanTokenizer, load_tokenizer
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -148,9 +149,19 @@ def save_tiny_model(tmp_path_factory, arch: str = "qwen2", loaded: LoadedModel |
     return str(folder)
 
 
-@pytest.fixture(scope="session")
-def tokenizer():
-    return make_tokenizer()
+def lean_tokenizer(hf_tokenizer: PreTrainedTokenizerFast, folder) -> LeanTokenizer:
+    """``hf_tokenizer`` saved to ``folder`` and read back by prefixcache's own loader (no transformers)."""
+    hf_tokenizer.save_pretrained(folder)
+    return load_tokenizer(folder)
+
+
+@pytest.fixture(scope="session", params=["transformers", "lean"])
+def tokenizer(request, tmp_path_factory):
+    """The tiny tokenizer as transformers loads it, and as :mod:`prefixcache.task.tokenizer` reads it from
+    its saved files: tests of tokenization and prompts run on both."""
+    if request.param == "transformers":
+        return make_tokenizer()
+    return lean_tokenizer(make_tokenizer(), tmp_path_factory.mktemp("tokenizer"))
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])

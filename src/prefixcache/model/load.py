@@ -33,6 +33,7 @@ import torch
 from .allocator import keep_freed_memory
 from .catalog import DEFAULT_MODEL, DTYPE_CHOICES, DTYPE_NAMES, EMBEDDED, MODEL_CONFIGS
 from ..errors import ModelNotFoundError, setting
+from ..task.tokenizer import load_tokenizer, reads_verbatim
 
 log = logging.getLogger(__name__)
 
@@ -276,14 +277,14 @@ def load_model(
     Raises:
         ModelNotFoundError: the spec names nothing loadable here; the message says what to do.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     set_threads(threads)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     source, identity, _ = local_source(spec)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        tokenizer = tokenizer_of(source, trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=torch_dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
         )
@@ -324,7 +325,29 @@ def load_random_model(config_name: str, dtype: str = "auto", threads: int | None
 
 
 def load_model_tokenizer(spec: str):
+    source, _, _ = local_source(spec)
+    return tokenizer_of(source)
+
+
+def tokenizer_of(source: str, trust_remote_code: bool = False):
+    """The tokenizer of a resolved ``source`` (a folder, or a Hugging Face id in the local cache): read with
+    ``tokenizers`` and jinja2 (:mod:`prefixcache.task.tokenizer`, no transformers import) where that gives
+    exactly ``AutoTokenizer``'s tokenizer (:func:`~prefixcache.task.tokenizer.reads_verbatim`), else
+    ``AutoTokenizer``. Logs which.
+
+    Raises:
+        OSError: the tokenizer's files cannot be read.
+    """
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(source, "tokenizer.json")
+        folder = Path(cached).parent if isinstance(cached, str) else folder
+    if reads_verbatim(folder):
+        log.info("tokenizer of %s: tokenizers (tokenizer.json) and jinja2, without transformers", source)
+        return load_tokenizer(folder)
     from transformers import AutoTokenizer
 
-    source, _, _ = local_source(spec)
-    return AutoTokenizer.from_pretrained(source)
+    log.info("tokenizer of %s: transformers' AutoTokenizer (no generic tokenizer.json)", source)
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
