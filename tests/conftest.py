@@ -7,13 +7,17 @@ import pytest
 
 from prefixcache.model.load import LoadedModel
 from prefixcache.task.definition import parse_task
-from tests.support.models import make_tokenizer, tiny_loaded
+from tests.support.models import lean_tokenizer, make_tokenizer, tiny_loaded
 from tests.support.tasks import TASK_YAML, TEXTS
 
 
-@pytest.fixture(scope="session")
-def tokenizer():
-    return make_tokenizer()
+@pytest.fixture(scope="session", params=["transformers", "lean"])
+def tokenizer(request, tmp_path_factory):
+    """The tiny tokenizer as transformers loads it, and as :mod:`prefixcache.task.tokenizer` reads it from
+    its saved files: tests of tokenization and prompts run on both."""
+    if request.param == "transformers":
+        return make_tokenizer()
+    return lean_tokenizer(make_tokenizer(), tmp_path_factory.mktemp("tokenizer"))
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])

@@ -12,6 +12,7 @@ from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 from prefixcache.model.decoder_choice import as_lean
 from prefixcache.model.load import LoadedModel, build_random_model
+from prefixcache.task.tokenizer import LeanTokenizer, load_tokenizer
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -83,3 +84,9 @@ def save_tiny_model(tmp_path_factory, arch: str = "qwen2", loaded: LoadedModel |
         loaded.model.save_pretrained(folder)
     loaded.tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def lean_tokenizer(hf_tokenizer: PreTrainedTokenizerFast, folder) -> LeanTokenizer:
+    """``hf_tokenizer`` saved to ``folder`` and read back by prefixcache's own loader (no transformers)."""
+    hf_tokenizer.save_pretrained(folder)
+    return load_tokenizer(folder)

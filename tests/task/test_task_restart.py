@@ -112,18 +112,21 @@ def test_bundled_tasks_restart_exactly_on_the_embedded_tokenizer(name):
     exact()
 
 
-@pytest.fixture(scope="module")
-def nfc():
-    """The tiny tokenizer with an NFC normalizer (as Qwen's has), and the task's prompt for it."""
+@pytest.fixture(scope="module", params=["transformers", "lean"])
+def nfc(request, tmp_path_factory):
+    """The tiny tokenizer with an NFC normalizer (as Qwen's has), and the task's prompt for it; as
+    transformers loads it and as prefixcache's own loader reads it from its saved files."""
     from tokenizers import normalizers
 
-    from tests.support.models import make_tokenizer
+    from tests.support.models import lean_tokenizer, make_tokenizer
 
     from tests.support.tasks import TASK_YAML
     from prefixcache.task.definition import parse_task
 
     tokenizer = make_tokenizer()
     tokenizer.backend_tokenizer.normalizer = normalizers.NFC()
+    if request.param == "lean":
+        tokenizer = lean_tokenizer(tokenizer, tmp_path_factory.mktemp("nfc"))
     return tokenizer, build_prompt(parse_task(TASK_YAML, "tiny.yaml"), tokenizer)
 
 

@@ -24,7 +24,9 @@ This module knows nothing about the pool's memory budget or its eviction (that i
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
 import json
 import time
 from dataclasses import dataclass
@@ -60,10 +62,10 @@ def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+@functools.cache
 def transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
+    """The installed transformers' version (from its package metadata: importing it takes seconds)."""
+    return importlib.metadata.version("transformers")
 
 
 class DiskStore(DiskFolder):

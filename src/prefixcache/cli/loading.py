@@ -7,6 +7,7 @@ exception to "imports at the top"). :func:`load_model` is the seam tests replace
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,10 +32,23 @@ def open_model(spec: str, dtype: str, threads: Optional[int], **kwargs):
 
 
 def quiet_transformers() -> None:
-    from transformers.utils import logging as hf_logging
+    """transformers' and the Hugging Face hub's logging at errors only, and no progress bars of theirs.
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    Without importing transformers (seconds) for a model that does not need it: where it is not imported
+    yet, the environment variables it and the hub read when they are imported say the same (a value the
+    user set is kept).
+    """
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    elif "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
 
 
 def load(model: str, dtype: str, threads: Optional[int], trust_remote_code: bool = False):
@@ -87,14 +101,14 @@ def make_pool(cache_budget: Optional[str], cache_dir: Optional[Path], kv_storage
               cache_dir_budget: Optional[str] = None):
     """A PrefixPool when any cache option is set, else None (then a classifier keeps its own prefix).
     ``--cache-dir-budget`` is recorded in the ``--cache-dir`` folder (:func:`folder_budget`)."""
-    from ..cache.disk import DiskStore
-    from ..cache.pool import PrefixPool
-
     storage = choice(kv_storage, STORAGE_NAMES, "--kv-storage")
     policy = choice(eviction, POLICIES, "--eviction")
     folder_bytes = folder_budget(cache_dir_budget, cache_dir)
     if cache_budget is None and cache_dir is None and (storage, policy) == (POOL.storage, POOL.eviction):
         return None
+    from ..cache.disk import DiskStore
+    from ..cache.pool import PrefixPool
+
     budget = parsed(parse_bytes, cache_budget, "--cache-budget") if cache_budget else POOL.budget_bytes
     store = DiskStore(cache_dir, budget_bytes=folder_bytes) if cache_dir else None
     return PrefixPool(PoolConfig(budget, policy, storage), store)

@@ -31,6 +31,7 @@ This module knows nothing about prefixes, forward passes, tasks or HTTP: only sc
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import threading
@@ -39,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import llguidance
-import llguidance.hf
 import torch
 
 from ..errors import ConstraintError
@@ -102,18 +102,33 @@ def grammar_tokenizer(tokenizer, eos_ids: frozenset[int]) -> llguidance.LLTokeni
     """The grammar engine's view of ``tokenizer`` with ``eos_ids`` as its end tokens; built once (about a
     second for a 50k vocabulary) and kept while ``tokenizer`` lives. Thread-safe.
 
+    The grammar engine reads the tokenizer's ``tokenizers`` serialization (``backend_tokenizer``: a
+    transformers fast tokenizer's or :class:`~prefixcache.task.tokenizer.LeanTokenizer`'s), as
+    ``llguidance.hf.from_tokenizer`` does, without importing transformers.
+
     Raises:
-        ConstraintError: ``tokenizer`` is not a fast (Rust) Hugging Face tokenizer.
+        ConstraintError: ``tokenizer`` has no ``tokenizers`` backend (a slow, Python-only tokenizer), or one
+            the grammar engine cannot read.
     """
     key = tuple(sorted(eos_ids)) or None
     with _TOKENIZERS_LOCK:
         kept = _TOKENIZERS.setdefault(tokenizer, {})
         if key not in kept:
-            try:
-                kept[key] = llguidance.hf.from_tokenizer(tokenizer, eos_token=list(key) if key else None)
-            except ValueError as exc:
-                raise ConstraintError(f"decoding can only be constrained with a fast tokenizer: {exc}") from None
+            kept[key] = _grammar_view(tokenizer, list(key) if key else getattr(tokenizer, "eos_token_id", None))
         return kept[key]
+
+
+def _grammar_view(tokenizer, eos) -> llguidance.LLTokenizer:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ConstraintError("decoding can only be constrained with a fast tokenizer (one with a tokenizers backend)")
+    backend = copy.copy(backend)  # the copy serializes without padding or truncation; the tokenizer keeps its own
+    backend.no_padding()
+    backend.no_truncation()
+    try:
+        return llguidance.LLTokenizer(backend.to_str(), eos_token=eos)
+    except ValueError as exc:  # a pipeline the grammar engine cannot invert (a WordPiece decoder, say)
+        raise ConstraintError(f"decoding cannot be constrained with this tokenizer: {exc}") from None
 
 
 class ConstrainedRows:

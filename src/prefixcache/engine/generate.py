@@ -92,8 +92,10 @@ class GenerationTiming:
 
 
 def eos_ids_of(model: torch.nn.Module, tokenizer) -> frozenset[int]:
-    """End-of-sequence ids: the tokenizer's eos token and the model's generation config eos (int or list)."""
-    ids: set[int] = set()
+    """End-of-sequence ids: the tokenizer's eos token, the model's generation config eos (int or list), and
+    the ``generation_config.json`` eos ids a :class:`~prefixcache.task.tokenizer.LeanTokenizer` read (for a
+    model that carries no generation config of its own)."""
+    ids: set[int] = set(getattr(tokenizer, "generation_eos_ids", ()))
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

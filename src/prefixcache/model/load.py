@@ -40,6 +40,7 @@ from .decoder_choice import DECODER_ENV, as_lean, choose_decoder, model_folder
 from .lean.config import lean_reason
 from .lean.weights import load_lean
 from ..errors import ModelNotFoundError, setting
+from ..task.tokenizer import load_tokenizer, reads_verbatim
 
 log = logging.getLogger(__name__)
 
@@ -299,8 +300,6 @@ def load_model(
         ModelNotFoundError: also for an unknown ``decoder``, or ``lean`` for a model it does not cover (the message
             says why).
     """
-    from transformers import AutoTokenizer
-
     if spec.startswith(RANDOM_PREFIX):
         arch, _, tokenizer_from = spec.removeprefix(RANDOM_PREFIX).partition("@")
         loaded = load_random_model(arch, dtype, threads, tokenizer_from or DEFAULT_MODEL, device=device)
@@ -310,7 +309,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, dev)
     source, identity, _ = local_source(spec)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        tokenizer = tokenizer_of(source, trust_remote_code)
         model = _load_weights(source, torch_dtype, trust_remote_code, choose_decoder(source, decoder))
     except OSError as exc:
         raise ModelNotFoundError(f"could not load model {spec!r}: {exc}") from None
@@ -363,7 +362,29 @@ def load_random_model(config_name: str, dtype: str = "auto", threads: int | None
 
 
 def load_model_tokenizer(spec: str):
+    source, _, _ = local_source(spec)
+    return tokenizer_of(source)
+
+
+def tokenizer_of(source: str, trust_remote_code: bool = False):
+    """The tokenizer of a resolved ``source`` (a folder, or a Hugging Face id in the local cache): read with
+    ``tokenizers`` and jinja2 (:mod:`prefixcache.task.tokenizer`, no transformers import) where that gives
+    exactly ``AutoTokenizer``'s tokenizer (:func:`~prefixcache.task.tokenizer.reads_verbatim`), else
+    ``AutoTokenizer``. Logs which.
+
+    Raises:
+        OSError: the tokenizer's files cannot be read.
+    """
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(source, "tokenizer.json")
+        folder = Path(cached).parent if isinstance(cached, str) else folder
+    if reads_verbatim(folder):
+        log.info("tokenizer of %s: tokenizers (tokenizer.json) and jinja2, without transformers", source)
+        return load_tokenizer(folder)
     from transformers import AutoTokenizer
 
-    source, _, _ = local_source(spec)
-    return AutoTokenizer.from_pretrained(source)
+    log.info("tokenizer of %s: transformers' AutoTokenizer (no generic tokenizer.json)", source)
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)

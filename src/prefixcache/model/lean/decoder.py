@@ -75,7 +75,10 @@ class LeanModel(nn.Module):
     def __init__(self, config: LeanConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # ``_weight`` skips the random init: the weights are assigned from the checkpoint, and initializing an
+        # embedding on the meta device imports torch's compiler stack (sympy, about a second of start-up)
+        weight = torch.empty(config.vocab_size, config.hidden_size)  # [V, H]
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._inv_freq = {}  # device -> [head_dim / 2] float32 (not a buffer: a dtype cast must not round it)
