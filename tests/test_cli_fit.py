@@ -74,7 +74,7 @@ def test_classify_with_the_head_gives_the_heads_probabilities(fitted, model_dir)
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     records, gold = separable_rows(30, seed=2)
     assert [r["id"] for r in rows] == [r.id for r in records]
-    assert set(rows[0]) == {"id", "label", "scores", "margin"}
+    assert set(rows[0]) == {"id", "label", "confidence", "scores", "margin"}
     loaded = load_model(model_dir, "float32")
     features = collect_features(loaded, parse_task(TASK_YAML, "t.yaml"), records, feature=FEATURE)
     expected = load_head(fitted["head"]).log_probs(features.features, features.prompt_logprobs).exp().numpy()

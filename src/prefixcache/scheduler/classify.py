@@ -34,9 +34,10 @@ import torch
 
 from ..cache.kv import PrefixKV
 from ..cache.pool import PrefixPool
+from ..engine.confidence import Trust
 from ..engine.forward import score_rows
 from ..engine.head import FittedHead, head_rows
-from ..engine.head_file import check as check_head, head_for
+from ..engine.head_file import check as check_head, head_for, head_trust
 from ..engine.scoring import LabelScorer
 from ..errors import ContextOverflowError, HeadMismatchError, InputError, PromptError, setting
 from ..model.load import LoadedModel
@@ -62,6 +63,8 @@ class Classifier(BoundTask):
     so the pool's budget and evictions govern its memory; the task's ``pin`` is honoured.
     ``label_pass`` is how ``full`` scoring feeds label tokens (see :class:`~prefixcache.engine.scoring.LabelScorer`):
     the trie, or ``"per-label"``, the reference that ``bench`` times beside it.
+    ``trust`` (:class:`~prefixcache.engine.confidence.Trust`): how each prediction is calibrated and when it
+    abstains; by default the fitted head's stored calibration (none without a head) and no threshold.
     """
 
     stats_type = RunStats
@@ -74,10 +77,12 @@ class Classifier(BoundTask):
         pool: PrefixPool | None = None,
         head: FittedHead | str | Path | None = None,
         label_pass: str = "trie",
+        trust: Trust | None = None,
     ):
         self.prompt: Prompt = build_prompt(task, loaded.tokenizer)
         super().__init__(loaded, task, pool)
         self.fitted_head = head_for(task, head)
+        self.trust = trust if trust is not None else head_trust(self.fitted_head)
         self.method = self._resolve_method(method)
         self.head = LabelScorer(loaded.model, self.prompt, "first-token" if self.fitted_head else self.method, label_pass)
         overhang = label_overhang(self.prompt, self.method)
@@ -155,10 +160,10 @@ class Classifier(BoundTask):
         return self.head.to_scores(logprobs)
 
     def _result(self, item: WorkItem, scores: LabelScores) -> Prediction:
-        return Prediction(
+        return self.trust.judge(Prediction(
             item.record.id, scores, boundary_fallback=item.boundary_fallback, truncated=item.truncated,
             warning=item.warning,
-        )
+        ))
 
     def _failed(self, item: WorkItem) -> Prediction:
         return Prediction(item.record.id, error=item.error)

@@ -1,0 +1,62 @@
+"""Calibration and abstention on a classifier (issue 38): a tiny in-process model, rows separable by construction."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from prefixcache.engine.confidence import Calibration, Trust, threshold_for_accuracy
+from prefixcache.engine.head_file import head_calibration, load_head, oof_rows, save_head
+from prefixcache.eval.fit_head import fit_head
+from prefixcache.scheduler.classify import Classifier, RunConfig
+from prefixcache.scheduler.feature_pass import collect_features
+
+from test_engine_head import FEATURE, separable_rows
+
+
+@pytest.fixture(scope="module")
+def fitted(tiny_llama, task):
+    records, gold = separable_rows(60, seed=1)
+    return fit_head(collect_features(tiny_llama, task, records, feature=FEATURE), gold, folds=3)
+
+
+@pytest.fixture(scope="module")
+def held_out():
+    return separable_rows(24, seed=7)[0]
+
+
+def test_fit_stores_a_calibration_and_its_out_of_fold_rows(tmp_path, fitted):
+    assert fitted.calibration.rows == 60 and fitted.calibration.temperature != 1.0
+    loaded = load_head(save_head(fitted.head, tmp_path / "h.safetensors"))
+    assert head_calibration(loaded) == fitted.calibration
+    confidence, correct = oof_rows(loaded.manifest)
+    assert len(confidence) == 60 and np.allclose(confidence, fitted.oof_confidence, atol=1e-5)
+
+
+def test_calibration_leaves_every_label_unchanged(tiny_llama, task, fitted, held_out):
+    raw = Classifier(tiny_llama, task, head=fitted.head, trust=Trust()).classify_all(held_out, RunConfig("batched", 5))
+    for temperature in (fitted.calibration.temperature, 0.2, 7.0):
+        calibrated = Classifier(tiny_llama, task, head=fitted.head, trust=Trust(Calibration(temperature))).classify_all(
+            held_out, RunConfig("batched", 5))
+        assert [p.label for p in calibrated] == [p.label for p in raw], f"T={temperature} changed a label"
+        changed = max(abs(a - b) for p, q in zip(raw, calibrated) for a, b in zip(p.scores.logprobs, q.scores.logprobs))
+        assert changed > 1e-3, "the temperature did nothing"
+
+
+def test_a_threshold_above_every_confidence_abstains_on_all_and_zero_on_none(tiny_llama, task, fitted, held_out):
+    everything = Classifier(tiny_llama, task, head=fitted.head, trust=Trust(fitted.calibration, 1.01))
+    predictions = everything.classify_all(held_out, RunConfig("batched", 4))
+    assert all(p.abstained and p.label is None and p.best_guess is not None for p in predictions)
+    nothing = Classifier(tiny_llama, task, head=fitted.head, trust=Trust(fitted.calibration, 0.0))
+    kept = nothing.classify_all(held_out, RunConfig("batched", 4))
+    assert not any(p.abstained for p in kept)
+    assert [p.label for p in kept] == [p.best_guess for p in predictions]
+
+
+@pytest.mark.parametrize("target", [0.9, 0.99, 1.0])
+def test_target_accuracy_reaches_its_target_on_the_out_of_fold_rows(fitted, target):
+    confidence, correct = np.array(fitted.oof_confidence), np.array(fitted.oof_correct)
+    found = threshold_for_accuracy(confidence, correct, target)
+    assert found is not None, "separable rows: the most confident rows are right"
+    accepted = confidence >= found.threshold
+    assert correct[accepted].mean() >= target and accepted.mean() == pytest.approx(found.coverage)
