@@ -61,9 +61,8 @@ def jobs():
     tickets = ROOT / "src" / "prefixcache" / "datasets" / "support_tickets.jsonl"
     return {
         "tickets": ("support-tickets", _jsonl(tickets) + _jsonl(ROOT / "tests" / "data" / "handwritten_tickets.jsonl")),
-        "natcs5": ("natcs-intents", _natcs5()),
-        "banking77": (str(ROOT / "docs" / "tasks" / "banking77-short.yaml"), banking77(16, 6)),
-        "natcs71": (str(ROOT / "docs" / "tasks" / "natcs-71.yaml"), natcs71(8)),
+        "banking77": (str(ROOT / "docs" / "tasks" / "banking77-short.yaml"), banking77(10, 4)),
+        "natcs71": (str(ROOT / "docs" / "tasks" / "natcs-71.yaml"), natcs71(4)),
     }
 
 
