@@ -34,8 +34,8 @@ def job(tmp_path_factory):
     return folder
 
 
-def classify(model_dir, job, out, *extra):
-    args = ["classify", str(job / "in.jsonl"), "--task", str(job / "task.yaml"), "--model", model_dir, "--dtype",
+def classify(model_dir, job, out, *extra, task=None):
+    args = ["classify", str(job / "in.jsonl"), "--task", str(task or job / "task.yaml"), "--model", model_dir, "--dtype",
             "float32", "--threads", "1", "--id-field", "id", "--batch-size", "4", "--window", "4", "--out", str(out), *extra]
     result = runner.invoke(app, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -95,3 +95,26 @@ def test_target_accuracy_without_stored_rows_is_refused(model_dir, job, tmp_path
             "float32", "--id-field", "id", "--out", str(tmp_path / "o.jsonl"), "--target-accuracy", "0.9"]
     result = runner.invoke(app, args)
     assert result.exit_code == 2 and "out-of-fold" in result.output
+
+
+def test_a_prompt_only_task_is_calibrated_beside_its_task_file_and_used(model_dir, job, tmp_path):
+    task = tmp_path / "task.yaml"
+    task.write_text(TASK_YAML)
+    fit = runner.invoke(app, ["fit", str(job / "in.jsonl"), "--task", str(task), "--prompt-only", "--model", model_dir,
+                              "--dtype", "float32", "--id-field", "id"], catch_exceptions=False)
+    assert fit.exit_code == 0, fit.output
+    written = json.loads((tmp_path / "task.calibration.json").read_text())
+    assert written["format"] == "prefixcache-calibration/1" and len(written["rows"]["correct"]) == N
+    temperature = written["calibration"]["temperature"]
+    plain, calibrated = tmp_path / "plain.jsonl", tmp_path / "calibrated.jsonl"
+    classify(model_dir, job, plain, task=task)
+    task.write_text(TASK_YAML + "calibration: task.calibration.json\ntarget_accuracy: 1.0\n")
+    classify(model_dir, job, calibrated, task=task)
+    before = [json.loads(line) for line in plain.read_text().splitlines()]
+    after = [json.loads(line) for line in calibrated.read_text().splitlines()]
+    assert [r.get("best_guess", r["label"]) for r in after] == [r["label"] for r in before], "calibration keeps labels"
+    if abs(temperature - 1.0) > 1e-3:
+        assert any(abs(a["confidence"] - b["confidence"]) > 1e-4 for a, b in zip(after, before))
+    stored = json.loads(job_path(calibrated).read_text())
+    assert stored["calibration"] == repr(temperature) and stored["target_accuracy"] == 1.0
+    assert 0 <= stored["expected_coverage"] <= 1
