@@ -118,3 +118,15 @@ def test_a_prompt_only_task_is_calibrated_beside_its_task_file_and_used(model_di
     stored = json.loads(job_path(calibrated).read_text())
     assert stored["calibration"] == repr(temperature) and stored["target_accuracy"] == 1.0
     assert 0 <= stored["expected_coverage"] <= 1
+
+
+def test_eval_reports_the_calibration_error_and_draws_the_reliability_diagram(model_dir, job, tmp_path):
+    plot = tmp_path / "eval.png"
+    args = ["eval", str(job / "in.jsonl"), "--task", str(job / "task.yaml"), "--model", model_dir, "--dtype", "float32",
+            "--id-field", "id", "--json", "--plot", str(plot)]
+    result = runner.invoke(app, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    document = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+    figures = document["confidence"]
+    assert figures["rows"] == N and 0 <= figures["ece"] <= 1 and figures["accuracy"] == document["accuracy"]
+    assert plot.with_suffix(".trust.png").stat().st_size > 1000
