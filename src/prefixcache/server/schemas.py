@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Sequence, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, PlainValidator, Tag, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, PlainValidator, Tag, WithJsonSchema, model_serializer
 
 from ..types import Record
 
@@ -133,6 +133,13 @@ class ClassifyResult(BaseModel):
         default=None, description="Present when the item's text is empty or only whitespace: the label is the model's guess without it."
     )
     truncated: bool | None = Field(default=None, description="Present (true) when a field was cut to fit the model's context.")
+
+    @model_serializer(mode="wrap")
+    def _label_always(self, handler):
+        """``label`` stays in the answer as null when the item abstained (the route drops other absent keys)."""
+        document = handler(self)
+        document.setdefault("label", None)
+        return document
 
 
 class ClassifyResponse(BaseModel):
