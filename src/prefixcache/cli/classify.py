@@ -16,7 +16,8 @@ from ..types import DEFAULT_WORKERS, METHODS, MODES, OVERFLOW, RunConfig
 from .errors import reported, choice, err, flag, given, open_output, output_path
 from .loading import check_text_field, make_pool, progress, record_folder_budget, setup_classifier
 from .options import (
-    RUN, BatchOpt, CacheBudgetOpt, CalibrationOpt, MinConfidenceOpt, TargetAccuracyOpt, CacheDirBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, HeadOpt, IdFieldOpt, KVStorageOpt,
+    RUN, BatchOpt, CacheBudgetOpt, CalibrationOpt, KeepFieldsOpt, KeepInputOpt, MinConfidenceOpt, ReviewOutOpt,
+    TargetAccuracyOpt, CacheDirBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, HeadOpt, IdFieldOpt, KVStorageOpt,
     MethodOpt, ModelOpt, ModeOpt, TaskOpt, TextFieldOpt,
 )
 from .reports import report_pool
@@ -69,15 +70,12 @@ def classify(
     calibration: Optional[Path] = CalibrationOpt,
     min_confidence: Optional[float] = MinConfidenceOpt,
     target_accuracy: Optional[float] = TargetAccuracyOpt,
-    review_out: Optional[Path] = typer.Option(None, "--review-out", help="Write the abstained records' whole input "
-                                              "rows here (JSON Lines), with the best guess, for people to label."),
-    keep_fields: Optional[str] = typer.Option(None, "--keep-fields", help="Input fields (a,b) to write beside each label."),
-    keep_input: bool = typer.Option(False, "--keep-input", help="Write every input field beside each label."),
+    review_out: Optional[Path] = ReviewOutOpt,
+    keep_fields: Optional[str] = KeepFieldsOpt,
+    keep_input: bool = KeepInputOpt,
 ):
-    """Classify every record; write one line per record: id, label, confidence, scores, margin (or error).
-
-    --out's extension picks the format: .csv, .parquet, else JSON Lines. Under --min-confidence or
-    --target-accuracy a record below the threshold gets "label": null, "abstained": true and its best guess.
+    """Classify every record; write one line per record: id, label, confidence, scores, margin (or error); --out's
+    extension picks the format (.csv, .parquet, else JSON Lines). Under a threshold: "label": null, "abstained": true.
 
     Exit code 0: all classified; 1: some record failed (its line has "error"); 2: stopped (bad usage, an
     unreadable file, or --on-error fail). With --out --resume a killed job continues where it stopped.
@@ -92,11 +90,7 @@ def classify(
         record_folder_budget(cache_dir_budget, cache_dir)  # the workers honour the folder's recorded budget
         return classify_on_ray(input, task, model, config, method, text_field, id_field, out_path,
                                dtype, threads, cache_dir, ray_address, workers, num_gpus)
-    if resume and out_path is None:
-        raise typer.BadParameter("--resume needs --out: the output file is what it resumes")
-    output_path(out_path, "--out")
-    if review_out:
-        output_path(review_out, "--review-out")
+    output_path(out_path, "--out"), output_path(review_out, "--review-out")
     cache = (cache_budget, cache_dir, kv_storage, eviction, cache_dir_budget)
     classify_here(input, task, model, config, method, text_field, id_field, out_path, dtype, threads, cache, policy, resume,
                   Delivery(keep, review_out))
@@ -139,6 +133,8 @@ def classify_here(input, task, model, config: RunConfig, method, text_field, id_
     from ..io.outputs import RowTap, finish_table, journal_path
     from ..types import RunStats
 
+    if resume and out_path is None:
+        raise typer.BadParameter("--resume needs --out: the output file is what it resumes")
     total = data.count_rows(input)  # a cheap pass for the progress bar; the job itself streams
     records = check_text_field(data.scan_records(input, text_field, id_field), text_field)
     journal = journal_path(out_path) if out_path else None
