@@ -48,7 +48,12 @@ def suggest(
     from ..task.definition import load_task
     from ..task.prompt import build_prompt
 
+    from ..engine.features import FeatureSpec
+
     output_path(out_path, "--out")
+    if feature_cache is not None and feature_cache.exists() and not feature_cache.is_dir():
+        raise typer.BadParameter(f"{feature_cache} is a file, not a folder", param_hint="--feature-cache")
+    FeatureSpec.parse(feature)  # a bad spec is refused before the model loads
     strategy = choice(strategy, STRATEGIES, "--strategy") if strategy else None
     spec = load_task(task)
     fitted = head_for(spec, head)
