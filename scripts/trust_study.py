@@ -172,6 +172,33 @@ def writer_cost(n=2000, labels=3):
     return figures
 
 
+def second_round_cost(rows=10_000, width=1152, labels=77, n=77):
+    """Seconds of a second ``suggest`` round over an encoded pool: read the stored features, score them with a head
+    ``[rows, F] x [F, L]``, choose ``n`` rows (uncertain and diverse)."""
+    import tempfile
+
+    from prefixcache.scheduler.feature_store import FeatureStore
+
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as folder:
+        store = FeatureStore(Path(folder))
+        store.add([f"{i:064x}" for i in range(rows)], rng.normal(size=(rows, width)).astype(np.float32),
+                  rng.normal(size=(rows, labels)).astype(np.float32))
+        started = time.perf_counter()
+        again = FeatureStore(Path(folder))
+        keys = list(again.rows)
+        x = np.stack([again.rows[k][0] for k in keys])
+        read = time.perf_counter() - started
+        weight = rng.normal(size=(labels, width)).astype(np.float32)
+        logits = x @ weight.T
+        logprobs = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) - logits.max(1, keepdims=True)
+        chosen = choose_rows(x, n, logprobs, strategy="uncertain")
+        uncertain = time.perf_counter() - started
+        choose_rows(x, n, None, strategy="diverse")
+        diverse = time.perf_counter() - started - uncertain
+    return {"rows": rows, "read_s": read, "uncertain_total_s": uncertain, "diverse_s": diverse, "chosen": len(chosen)}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cache", type=Path, default=Path("/tmp/trust_cache"))
@@ -183,6 +210,9 @@ def main():
         report["tickets"] = tickets(args)
     if "banking77" in args.only and (args.cache / "banking77.rows.json").exists():
         report["banking77"] = banking(args)
+    if "suggest_cost" in args.only:
+        report["suggest_cost"] = second_round_cost()
+        print("second suggest round:", json.dumps(report["suggest_cost"]))
     if "writers" in args.only:
         report["writers"] = {labels: writer_cost(labels=labels) for labels in (3, 77)}
         print("writers, microseconds per record:", json.dumps(report["writers"], indent=1))
