@@ -80,3 +80,33 @@ def test_a_second_round_reads_the_pools_features_from_disk(model_dir, tmp_path, 
     assert len(calls) == first_passes, f"the second round ran {len(calls) - first_passes} forward passes"
     assert [r["prefixcache"]["id"] for r in second] == [r["prefixcache"]["id"] for r in first]
     assert len(first) == 5 and all(r["text"] for r in first), "whole input rows"
+
+
+def test_with_a_head_the_rows_it_was_fitted_on_are_never_suggested(model_dir, tmp_path):
+    from prefixcache.engine.head_file import save_head
+    from prefixcache.eval.fit_head import fit_head
+    from prefixcache.model.load import load_model
+    from prefixcache.scheduler.feature_pass import collect_features
+    from prefixcache.task.definition import parse_task
+
+    from test_engine_head import FEATURE, separable_rows
+
+    (tmp_path / "task.yaml").write_text(TASK_YAML)
+    fitted, gold = separable_rows(30, seed=1)
+    pool, _ = separable_rows(12, seed=9)
+    loaded = load_model(model_dir, "float32")
+    result = fit_head(collect_features(loaded, parse_task(TASK_YAML, "t.yaml"), fitted, feature=FEATURE), gold, folds=3)
+    result.head.manifest["task"] = "tiny-tickets"
+    head = save_head(result.head, tmp_path / "h.safetensors")
+    rows = [{"id": r.id, "text": r.fields["text"]} for r in [*fitted, *pool]]
+    (tmp_path / "pool.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["suggest", str(tmp_path / "pool.jsonl"), "--task", str(tmp_path / "task.yaml"), "--model", model_dir,
+            "--dtype", "float32", "--id-field", "id", "--n", "8", "--head", str(head), "--out", str(tmp_path / "s.jsonl"),
+            "--feature-cache", str(tmp_path / "features")]
+    outcome = runner.invoke(app, args, catch_exceptions=False)
+    assert outcome.exit_code == 0, outcome.output
+    chosen = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    fitted_texts = {r.fields["text"] for r in fitted}
+    assert len(chosen) == 8 and not any(c["text"] in fitted_texts for c in chosen)
+    assert all(c["prefixcache"]["best_guess"] in ("billing", "technical", "account") and c["prefixcache"]["margin"] >= 0
+               for c in chosen)
