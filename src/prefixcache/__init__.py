@@ -5,7 +5,7 @@ The library surface::
     from prefixcache import load_model, load_task, Classifier, RunConfig, Record
     clf = Classifier(load_model("smollm2-135m"), load_task("support-tickets"))
     for p in clf.classify([Record(0, {"text": "I was charged twice"})], RunConfig("batched", 32)):
-        print(p.id, p.label, p.scores.probabilities)
+        print(p.id, p.label, p.confidence, p.abstained)  # label None when it abstained (see Trust)
 
 The names load lazily (a module ``__getattr__``): ``import prefixcache`` imports neither torch nor
 transformers; the first use of ``Classifier`` or ``load_model`` does.

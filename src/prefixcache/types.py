@@ -98,6 +98,8 @@ class Prediction:
     ``boundary_fallback``: the record's tokens crossed the prefix boundary, so it was scored by full
     re-encoding in a cached mode. ``truncated``: a field was cut to fit the model's context;
     ``warning`` says which and how (or notes blank text). Both appear in :meth:`to_json` only when set.
+    ``abstained``: its confidence was under the run's threshold, so :attr:`label` is None and the label
+    it would have had is :attr:`best_guess` (see :class:`~prefixcache.engine.confidence.Trust`).
     """
 
     id: object
@@ -106,20 +108,35 @@ class Prediction:
     boundary_fallback: bool = False
     truncated: bool = False
     warning: str | None = None
+    abstained: bool = False
 
     @property
     def label(self) -> str | None:
+        """The label, or None for an error or an abstention."""
+        return self.scores.label if self.scores and not self.abstained else None
+
+    @property
+    def best_guess(self) -> str | None:
+        """The best-scored label, abstained or not (None for an error)."""
         return self.scores.label if self.scores else None
+
+    @property
+    def confidence(self) -> float | None:
+        """The probability of the best label under :attr:`scores` (calibrated when the run calibrates)."""
+        return math.exp(max(self.scores.logprobs)) if self.scores else None
 
     def to_json(self) -> dict:
         if self.scores is None:
             return {"id": self.id, "label": None, "scores": None, "margin": None, "error": self.error}
         document = {
             "id": self.id,
-            "label": self.scores.label,
+            "label": self.label,
+            "confidence": round(self.confidence, 6),
             "scores": {k: round(v, 6) for k, v in self.scores.probabilities.items()},
             "margin": round(self.scores.margin, 6),
         }
+        if self.abstained:
+            document |= {"abstained": True, "best_guess": self.best_guess}
         if self.truncated:
             document["truncated"] = True
         if self.warning is not None:

@@ -40,7 +40,7 @@ def test_demo_classifies_the_bundled_tickets_and_proves_agreement(tmp_path_facto
     assert "labels equal to full re-encoding: 6/6 in every mode" in result.output
     (results,) = tmp_path.glob("demo-*")
     lines = (results / "predictions.jsonl").read_text().splitlines()
-    assert len(lines) == 600 and {"id", "label", "scores", "margin"} <= set(json.loads(lines[0]))
+    assert len(lines) == 600 and {"id", "label", "confidence", "scores", "margin"} <= set(json.loads(lines[0]))
     errors = [row["error"] for row in map(json.loads, lines) if row.get("error") is not None]
     assert not errors, f"{len(errors)} tickets were not classified, e.g. {errors[:1]}"
     summary = json.loads((results / "summary.json").read_text())

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from prefixcache.cli.app import app
-from prefixcache.engine.head_file import load_head
+from prefixcache.engine.head_file import head_calibration, load_head
 from prefixcache.model.load import load_model
 from prefixcache.scheduler.feature_pass import collect_features
 from prefixcache.task.definition import parse_task
@@ -75,10 +75,11 @@ def test_classify_with_the_head_gives_the_heads_probabilities(fitted, model_dir)
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     records, gold = separable_rows(30, seed=2)
     assert [r["id"] for r in rows] == [r.id for r in records]
-    assert set(rows[0]) == {"id", "label", "scores", "margin"}
+    assert set(rows[0]) == {"id", "label", "confidence", "scores", "margin"}
     loaded = load_model(model_dir, "float32")
     features = collect_features(loaded, parse_task(TASK_YAML, "t.yaml"), records, feature=FEATURE)
-    expected = load_head(fitted["head"]).log_probs(features.features, features.prompt_logprobs).exp().numpy()
+    head = load_head(fitted["head"])  # the scores are the head's probabilities, calibrated by its stored temperature
+    expected = np.exp(head_calibration(head).apply(head.log_probs(features.features, features.prompt_logprobs).numpy()))
     got = np.array([[r["scores"][label] for label in ("billing", "technical", "account")] for r in rows])
     assert np.abs(got - expected).max() < 1e-4
     assert [r["label"] for r in rows] == [("billing", "technical", "account")[j] for j in expected.argmax(axis=1)]
@@ -178,6 +179,7 @@ def test_a_served_task_with_a_head_says_so_and_scores_through_it(fitted, model_d
         refused = call(server, "PUT", "/v1/tasks/tiny-x", raw=upload.encode(), headers={"Content-Type": "application/yaml"})
     assert refused[0] == 422 and "head" in refused[2]["detail"]
     features = collect_features(loaded, task, records, feature=FEATURE)
-    expected = load_head(fitted["head"]).log_probs(features.features, features.prompt_logprobs).exp().numpy()
+    head = load_head(fitted["head"])  # the scores are the head's probabilities, calibrated by its stored temperature
+    expected = np.exp(head_calibration(head).apply(head.log_probs(features.features, features.prompt_logprobs).numpy()))
     got = np.array([[result["scores"][k] for k in ("billing", "technical", "account")] for result in answer["results"]])
     assert np.abs(got - expected).max() < 1e-4

@@ -84,6 +84,8 @@ CHANGES = {  # field -> (what the resume changes, the words the refusal must hol
     "method": ({"extra": ("--method", "full")}, "the scoring method (--method): 'first-token' then, 'full' now"),
     "dtype": ({"extra": ("--dtype", "bfloat16")}, "the dtype (--dtype): 'float32' then, 'bfloat16' now"),
     "head": ({"extra": ("--head", "{head}")}, "the fitted head (--head): None then"),
+    "calibration": ({"extra": ("--head", "{head}")}, "the calibration (--calibration): None then"),
+    "threshold": ({"extra": ("--min-confidence", "0.5")}, "the confidence threshold (--min-confidence): None then, '0.5' now"),
 }
 
 

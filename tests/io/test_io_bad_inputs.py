@@ -210,7 +210,7 @@ def test_truncated_record_fits_and_is_exact(loaded, method):
 
 def test_normal_output_keeps_its_four_keys(classifier):
     (prediction,) = classifier.classify_all([Record(1, {"text": "refund me"})])
-    assert set(prediction.to_json()) == {"id", "label", "scores", "margin"}
+    assert set(prediction.to_json()) == {"id", "label", "confidence", "scores", "margin"}
 
 
 def test_csv_keeps_embedded_newlines_quotes_and_commas():

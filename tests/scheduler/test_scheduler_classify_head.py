@@ -8,6 +8,7 @@ import pytest
 
 from prefixcache.engine import forward
 from prefixcache.engine.head import FittedHead
+from prefixcache.engine.head_file import head_calibration
 from prefixcache.errors import HeadMismatchError, PromptError
 from prefixcache.eval.fit_head import fit_head
 from prefixcache.eval.verify import compare, verify
@@ -46,7 +47,7 @@ def test_scores_are_the_heads_probabilities(tiny_llama, task, head):
     records, _ = separable_rows(12, seed=5)
     predictions = Classifier(tiny_llama, task, head=head).classify_all(records, RunConfig("batched", 5))
     features = collect_features(tiny_llama, task, records, feature=FEATURE)
-    expected = head.log_probs(features.features, features.prompt_logprobs).numpy()
+    expected = head_calibration(head).apply(head.log_probs(features.features, features.prompt_logprobs).numpy())
     got = np.array([p.scores.logprobs for p in predictions])
     assert np.abs(got - expected).max() < TOL
     assert [p.label for p in predictions] == head.predict(features.features, features.prompt_logprobs)

@@ -91,7 +91,7 @@ def test_ids_usage_and_string_items(loaded, task):
     assert status == 200, body
     assert [r["id"] for r in body["results"]] == [0, "x7", 2]
     for r in body["results"]:
-        assert set(r) == {"id", "label", "scores", "margin"}
+        assert set(r) == {"id", "label", "confidence", "scores", "margin"}
         assert abs(sum(r["scores"].values()) - 1) < 1e-4 and r["margin"] >= 0
     assert body["usage"]["prefix_tokens_reused"] == 3 * prefix_tokens
     assert body["usage"]["suffix_tokens"] > 3
@@ -105,7 +105,7 @@ def test_blank_items_are_answered_with_a_warning(loaded, task):
     blank, spaces, plain = body["results"]
     for r in (blank, spaces):
         assert "empty or only whitespace" in r["warning"] and r["label"] in r["scores"]
-    assert set(plain) == {"id", "label", "scores", "margin"}, "absent keys stay absent, not null"
+    assert set(plain) == {"id", "label", "confidence", "scores", "margin"}, "absent keys stay absent, not null"
 
 
 # --- auth ------------------------------------------------------------------------------------------

@@ -104,6 +104,8 @@ def assert_choice(response, want: dict[str, float], context: str):
     assert response.choices[0].message.content == max(want, key=want.get), context
     for label, value in want.items():
         assert abs(got[label] - value) < TOL, f"{context}: {label} {got[label]} != full re-encoding's {value}"
+    confidence = response.choices[0].model_extra["confidence"]  # the chosen option's probability among the options
+    assert abs(confidence - math.exp(max(got.values()))) < 1e-5, context
 
 
 # --- guided choice -------------------------------------------------------------------------------------------------

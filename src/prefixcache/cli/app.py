@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import typer
 
-from . import bench, catalog, classify, demo, evaluate, extract, fit, serve, verify
+from . import bench, catalog, classify, demo, evaluate, extract, fit, serve, suggest, verify
 from .cache import cache_app
 
 app = typer.Typer(
@@ -26,6 +26,7 @@ app.command()(demo.demo)
 app.command()(bench.bench)
 app.command("eval")(evaluate.eval_)
 app.command()(fit.fit)
+app.command()(suggest.suggest)
 app.command()(serve.serve)
 app.command()(extract.extract)
 app.add_typer(cache_app, name="cache")

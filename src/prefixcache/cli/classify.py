@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import sys
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from ..io.journal import ON_ERROR
+from ..io.outputs import parse_keep
 from ..types import DEFAULT_WORKERS, METHODS, MODES, OVERFLOW, RunConfig
 from .errors import reported, choice, err, flag, given, open_output, output_path
 from .loading import check_text_field, make_pool, progress, record_folder_budget, setup_classifier
 from .options import (
-    RUN, BatchOpt, CacheBudgetOpt, CacheDirBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, HeadOpt, IdFieldOpt, KVStorageOpt,
+    RUN, BatchOpt, CacheBudgetOpt, CalibrationOpt, KeepFieldsOpt, KeepInputOpt, MinConfidenceOpt, ReviewOutOpt,
+    TargetAccuracyOpt, CacheDirBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, HeadOpt, IdFieldOpt, KVStorageOpt,
     MethodOpt, ModelOpt, ModeOpt, TaskOpt, TextFieldOpt,
 )
 from .reports import report_pool
@@ -26,6 +29,9 @@ NOT_WITH_RAY = {  # classify options that a Ray run cannot honour, and why
     "cache_budget": "each Ray worker keeps the one prefix it needs; --cache-dir shares it between workers",
     "kv_storage": "Ray workers store their prefix in float",
     "eviction": "each Ray worker keeps the one prefix it needs",
+    "keep_fields": "Ray parts hold the predictions only",
+    "keep_input": "Ray parts hold the predictions only",
+    "review_out": "Ray parts hold every prediction; select the abstained lines from them",
 }
 
 
@@ -61,8 +67,15 @@ def classify(
     workers: int = typer.Option(DEFAULT_WORKERS, "--workers", min=1, help="With --ray: worker processes, each with its own model and prefix."),
     num_gpus: float = typer.Option(0.0, "--num-gpus", min=0, help="With --ray: GPUs per worker (a fraction shares one)."),
     head: Optional[Path] = HeadOpt,
+    calibration: Optional[Path] = CalibrationOpt,
+    min_confidence: Optional[float] = MinConfidenceOpt,
+    target_accuracy: Optional[float] = TargetAccuracyOpt,
+    review_out: Optional[Path] = ReviewOutOpt,
+    keep_fields: Optional[str] = KeepFieldsOpt,
+    keep_input: bool = KeepInputOpt,
 ):
-    """Classify every record; write one JSON line per record: id, label, scores, margin (or error).
+    """Classify every record; write one line per record: id, label, confidence, scores, margin (or error); --out's
+    extension picks the format (.csv, .parquet, else JSON Lines). Under a threshold: "label": null, "abstained": true.
 
     Exit code 0: all classified; 1: some record failed (its line has "error"); 2: stopped (bad usage, an
     unreadable file, or --on-error fail). With --out --resume a killed job continues where it stopped.
@@ -71,45 +84,76 @@ def classify(
     config = RunConfig(choice(mode, MODES, "--mode"), batch_size, window, choice(overflow, OVERFLOW, "--overflow"))
     policy = choice(on_error, ON_ERROR, "--on-error")
     check_ray_options(ctx, ray, input, policy)
+    keep = parse_keep(keep_fields, keep_input)
+    task = task_with_trust(task_with_head(task, head), calibration, min_confidence, target_accuracy)
     if ray:
         record_folder_budget(cache_dir_budget, cache_dir)  # the workers honour the folder's recorded budget
-        return classify_on_ray(input, task_with_head(task, head), model, config, method, text_field, id_field, out_path,
+        return classify_on_ray(input, task, model, config, method, text_field, id_field, out_path,
                                dtype, threads, cache_dir, ray_address, workers, num_gpus)
-    if resume and out_path is None:
-        raise typer.BadParameter("--resume needs --out: the output file is what it resumes")
-    output_path(out_path, "--out")
+    output_path(out_path, "--out"), output_path(review_out, "--review-out")
     cache = (cache_budget, cache_dir, kv_storage, eviction, cache_dir_budget)
     classify_here(input, task, model, config, method, text_field, id_field, out_path, dtype, threads, cache, policy, resume,
-                  head)
+                  Delivery(keep, review_out))
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What a local run writes beyond the prediction lines: ``keep``, the input fields kept beside each label
+    (:func:`~prefixcache.io.outputs.parse_keep`), and ``review_out``, the abstained records' rows."""
+
+    keep: tuple[str, ...] = ()
+    review_out: Optional[Path] = None
+
+
+def task_with_trust(task, calibration: Optional[Path], min_confidence: Optional[float], target_accuracy: Optional[float]):
+    """``--task`` with ``--calibration`` (an absolute path), ``--min-confidence`` and ``--target-accuracy`` folded into
+    it, so that a local run and every Ray worker build the same :class:`~prefixcache.engine.confidence.Trust`."""
+    if calibration is None and min_confidence is None and target_accuracy is None:
+        return task
+    if min_confidence is not None and target_accuracy is not None:
+        raise typer.BadParameter("give --min-confidence or --target-accuracy, not both")
+    from ..task.definition import load_task
+
+    spec = load_task(task) if isinstance(task, str) else task
+    update = {"min_confidence": min_confidence, "target_accuracy": target_accuracy}
+    if calibration is not None:
+        update["calibration"] = str(Path(calibration).resolve())
+    return spec.model_copy(update=update)
 
 
 def classify_here(input, task, model, config: RunConfig, method, text_field, id_field, out_path, dtype, threads, cache,
-                  policy: str, resume: bool, head: Optional[Path] = None) -> None:
+                  policy: str, resume: bool, delivery: Delivery = Delivery()) -> None:
     """The local run, streamed from reader to journal (memory does not grow with the input): skip what
     ``--resume`` recovered, classify the rest.
     With ``--out`` the job file goes beside it, and ``--resume`` first checks that it is the same job.
+    A CSV or Parquet ``--out`` is journalled as JSON Lines beside it and written at the end (:mod:`prefixcache.io.outputs`).
     ``cache``: the pool options, as :func:`~prefixcache.cli.loading.make_pool` takes them."""
     from ..io import records as data
-    from ..io.job_file import check_job, write_job
     from ..io.journal import Recovered, recover, skip_done, write_predictions
+    from ..io.outputs import RowTap, finish_table, journal_path
     from ..types import RunStats
 
+    if resume and out_path is None:
+        raise typer.BadParameter("--resume needs --out: the output file is what it resumes")
     total = data.count_rows(input)  # a cheap pass for the progress bar; the job itself streams
     records = check_text_field(data.scan_records(input, text_field, id_field), text_field)
-    done = recover(out_path) if resume else Recovered()
-    records = skip_done(done, records, out_path)
-    classifier = setup_classifier(task, model, dtype, threads, method, make_pool(*cache), head)
-    if out_path:
-        fingerprint = classifier.fingerprint()
-        if resume:
-            check_job(out_path, fingerprint, done.lines)
-        write_job(out_path, fingerprint)  # before the first line: lines never exist without their job file
+    journal = journal_path(out_path) if out_path else None
+    done = recover(journal) if resume else Recovered()
+    records = skip_done(done, records, journal)
+    classifier = setup_classifier(task, model, dtype, threads, method, make_pool(*cache))
+    start_job(classifier, out_path, resume, done.lines)
     stats = RunStats()
-    with (open_output(out_path, "a" if resume else "w", "--out") if out_path else nullcontext(sys.stdout)) as sink:
+    mode = "a" if resume else "w"
+    with (open_output(journal, mode, "--out") if out_path else nullcontext(sys.stdout)) as sink, \
+            (open_output(delivery.review_out, mode, "--review-out") if delivery.review_out else nullcontext()) as review:
+        tap = RowTap(delivery.keep, review)
         with progress(total, f"classify [{config.mode}]") as bar:
             bar.update(done.lines)
-            predictions = classifier.classify(records, config, progress=bar.update, stats=stats)
-            written = write_predictions(predictions, sink, policy, sync_every=config.window if out_path else None)
+            predictions = classifier.classify(tap.records(records), config, progress=bar.update, stats=stats)
+            written = write_predictions(predictions, sink, policy, config.window if out_path else None, tap.render)
+    if out_path and journal != out_path:
+        finish_table(journal, out_path)
+    err.print(tap.tally.summary(), highlight=False)
     err.print(
         f"{stats.records} records in {stats.seconds:.1f} s ({stats.records / max(stats.seconds, 1e-9):.1f} rec/s), "
         f"{written.failed} errors, {written.flagged} flagged, {stats.boundary_fallbacks} boundary fallbacks"
@@ -123,6 +167,20 @@ def classify_here(input, task, model, config: RunConfig, method, text_field, id_
     report_pool(classifier.pool)
     if done.failed + written.failed:
         raise typer.Exit(1)
+
+
+def start_job(classifier, out_path: Optional[Path], resume: bool, done_lines: int) -> None:
+    """Write the job file beside ``--out`` (under ``--resume`` after checking it is the same job), before the first
+    line: lines never exist without their job file. It records the threshold and its expected coverage."""
+    from ..io.job_file import check_job, write_job
+
+    if not out_path:
+        return
+    fingerprint = classifier.fingerprint()
+    if resume:
+        check_job(out_path, fingerprint, done_lines)
+    threshold = classifier.trust.threshold
+    write_job(out_path, fingerprint, threshold.to_json() if threshold is not None else {})
 
 
 def check_ray_options(ctx: typer.Context, ray: bool, input: str, on_error: str) -> None:

@@ -20,7 +20,11 @@ def fit(
     train: str = typer.Argument(..., help="Labelled training rows: .csv, .jsonl, .parquet, or - for JSONL on stdin."),
     task: str = TaskOpt,
     label_field: str = LabelFieldOpt,
-    out_path: Path = typer.Option(..., "--out", help="Where to write the head (.safetensors with its JSON manifest)."),
+    out_path: Optional[Path] = typer.Option(
+        None, "--out", help="Where to write the head (.safetensors with its JSON manifest); with --prompt-only the "
+        "calibration file (default: <task file>.calibration.json beside the task file)."),
+    prompt_only: bool = typer.Option(False, "--prompt-only", help="No head: calibrate the prompt's own label scores on "
+                                     "the rows and write a calibration file (name it in the task file: calibration:)."),
     feature: str = typer.Option(
         DEFAULT_FEATURE, "--feature",
         help="Features: last, mean, last@K, mean@K, last@P/Q (a fraction of the depth), joined by + (docs/accuracy.md).",
@@ -40,7 +44,8 @@ def fit(
     threads: Optional[int] = ThreadsOpt,
     batch_size: int = BatchOpt,
 ):
-    """Fit a label head on labelled rows: prints the cross-validated eval report and writes the head."""
+    """Fit a label head on labelled rows: prints the cross-validated eval report and writes the head, calibrated on its
+    out-of-fold predictions. With --prompt-only: calibrate the prompt's own scores and write a calibration file."""
     from ..engine.features import FeatureSpec
     from ..engine.head_file import save_head
     from ..eval.evaluate import labelled_records
@@ -49,6 +54,10 @@ def fit(
     from ..io import records as data
     from ..task.definition import load_task
 
+    if prompt_only:
+        return fit_prompt_only(train, task, label_field, out_path, text_field, id_field, (model, dtype, threads), batch_size)
+    if out_path is None:
+        raise typer.BadParameter("where to write the head", param_hint="--out")
     output_path(out_path, "--out")
     if plot:
         output_path(plot, "--plot")
@@ -64,6 +73,45 @@ def fit(
     written = save_head(result.head, out_path)
     _report(result, features, points, spec, loaded, batch_size, 1000 * seconds / len(rows.records), as_json, plot)
     err.print(f"wrote {written} ({len(features.labels)} labels, {features.features.shape[1]} features, fit {result.seconds:.1f} s)")
+
+
+def fit_prompt_only(train, task: str, label_field: str, out_path: Optional[Path], text_field: str, id_field, model_options,
+                    batch_size: int) -> None:
+    """``fit --prompt-only``: the prompt's scores on the rows, one temperature, the calibration file."""
+    from ..engine.calibration_file import save_calibration
+    from ..eval.evaluate import labelled_records
+    from ..eval.prompt_calibration import calibrate_prompt
+    from ..io import records as data
+    from ..scheduler.classify import Classifier
+    from ..task.definition import load_task
+
+    if out_path is None:
+        if not Path(task).is_file():
+            raise typer.BadParameter(f"task {task!r} is not a file to write beside: name the calibration file", param_hint="--out")
+        out_path = Path(task).with_suffix(".calibration.json")
+    output_path(out_path, "--out")
+    spec = load_task(task)
+    rows = labelled_records(data.read_records(train, text_field, id_field), label_field, spec)
+    document = calibrate_prompt(Classifier(load(*model_options), spec), rows.records, rows.gold, batch_size)
+    save_calibration(document, out_path)
+    ece, temperature = document["ece"], document["calibration"]["temperature"]
+    out.print(f"prompt accuracy {document['accuracy']:.1%} on {len(rows.gold)} rows; temperature {temperature:.3f}; "
+              f"calibration error {ece['raw']:.1%} raw, {ece['calibrated']:.1%} calibrated (same rows)")
+    err.print(f"wrote {out_path}; name it in the task file (calibration: {out_path.name}) or pass --calibration")
+
+
+def _trust_tables(result) -> list:
+    """The out-of-fold calibration error and accuracy against coverage (none without cross-validation)."""
+    from dataclasses import replace
+
+    from ..eval.selective import selective, selective_table
+
+    if result.oof_confidence is None:
+        return []
+    figures = selective(result.oof_confidence, result.oof_correct)
+    figures = replace(figures, ece_raw=result.ece[0])
+    title = f"confidence (out-of-fold, temperature {result.calibration.temperature:.3f})"
+    return [selective_table(figures, title)]
 
 
 def _features(loaded, task, records, feature: str, batch_size: int):
@@ -103,7 +151,7 @@ def _report(result, features, points, task, loaded, batch_size: int, ms_per_item
         document = fit_document(result, evaluated, points) if evaluated else {"fit": result.cv_json()}
         print(json.dumps(document))
     else:
-        for table in (eval_tables(evaluated) if evaluated else []) + [fit_table(result)]:
+        for table in (eval_tables(evaluated) if evaluated else []) + [fit_table(result)] + _trust_tables(result):
             out.print(table)
         if points:
             out.print(curve_table(points))

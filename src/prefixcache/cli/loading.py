@@ -63,17 +63,18 @@ def load(model: str, dtype: str, threads: Optional[int], trust_remote_code: bool
     return loaded
 
 
-def setup_classifier(task: str, model: str, dtype: str, threads: Optional[int], method: str, pool=None,
+def setup_classifier(task, model: str, dtype: str, threads: Optional[int], method: str, pool=None,
                      head: Optional[Path] = None):
-    """A :class:`~prefixcache.scheduler.classify.Classifier` of ``--task`` on ``--model``, scoring through ``--head``
-    (or the task file's ``head:``) when there is one. The head file is read before the model loads."""
+    """A :class:`~prefixcache.scheduler.classify.Classifier` of ``--task`` (a name or path, or a loaded task) on
+    ``--model``, scoring through ``--head`` (or the task file's ``head:``) when there is one. The head file is read
+    before the model loads."""
     from ..engine.head_file import head_for
 
     from ..scheduler.classify import Classifier
     from ..task.definition import load_task
 
     method = choice(method, METHODS, "--method")
-    spec = load_task(task)
+    spec = load_task(task) if isinstance(task, str) else task
     fitted = head_for(spec, head)
     return Classifier(load(model, dtype, threads), spec, method, pool=pool, head=fitted)
 

@@ -42,5 +42,20 @@ InputArg = typer.Argument(..., help="Input .csv, .jsonl, .parquet, or - for JSON
 HeadOpt = typer.Option(
     None, "--head", help="A fitted label head (prefixcache fit); overrides the task file's head:. Scores are the head's."
 )
+CalibrationOpt = typer.Option(
+    None, "--calibration", help="A prompt-only calibration file (prefixcache fit --prompt-only); overrides the task's calibration:."
+)
+MinConfidenceOpt = typer.Option(
+    None, "--min-confidence", min=0.0, max=1.0, help="Abstain (label null, best guess kept) under this calibrated confidence."
+)
+TargetAccuracyOpt = typer.Option(
+    None, "--target-accuracy", min=0.0, max=1.0,
+    help="Abstain under the threshold whose accepted out-of-fold rows (the head's, or the calibration file's) reach this accuracy.",
+)
+ReviewOutOpt = typer.Option(
+    None, "--review-out", help="Write the abstained records' whole input rows here (JSON Lines), with the best guess."
+)
+KeepFieldsOpt = typer.Option(None, "--keep-fields", help="Input fields (a,b) to write beside each label.")
+KeepInputOpt = typer.Option(False, "--keep-input", help="Write every input field beside each label.")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of a table.")
 LabelFieldOpt = typer.Option(LABEL_FIELD, "--label-field", help="Field holding each row's gold label.")

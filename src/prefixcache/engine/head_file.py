@@ -12,6 +12,10 @@ so saving a loaded head writes the same bytes. The manifest (:data:`MANIFEST_KEY
 * ``training``: ``rows`` and ``text_sha256``, the sorted SHA-256 of every training row's normalized
   text (:func:`text_hash`), which ``eval`` reads to refuse rows the head was fitted on;
 * ``cv``: the cross-validated figures (``accuracy``, ``macro_f1``, ``folds``, ``C``, ...);
+* ``calibration`` (optional; heads written before it load without one): the temperature fitted on the
+  cross-validated out-of-fold predictions (:class:`~prefixcache.engine.confidence.Calibration`), and
+  ``oof``: those rows' calibrated confidences and whether each was right, from which ``--target-accuracy``
+  picks a threshold (:func:`oof_rows`);
 * ``versions``: prefixcache, torch, transformers and scikit-learn.
 
 :func:`check` refuses a head against another model, prompt, label set or feature spec.
@@ -32,6 +36,7 @@ from safetensors.torch import load_file, safe_open, save_file
 from ..cache.disk import token_hash
 from ..errors import HeadMismatchError, InputError, setting
 from ..task.selection import normalize_text
+from .confidence import Calibration, Trust
 from .head import FittedHead
 
 FORMAT = "prefixcache-head/1"
@@ -118,6 +123,25 @@ def head_for(task, head: FittedHead | str | Path | None = None) -> FittedHead | 
         return head
     path = head if head is not None else getattr(task, "head", None)
     return load_head(path) if path is not None else None
+
+
+def head_calibration(head: FittedHead | None) -> Calibration:
+    """The calibration a head file stores, or the identity (no head, or a head fitted before calibration)."""
+    stored = head.manifest.get("calibration") if head is not None else None
+    return Calibration.from_json(stored) if stored else Calibration()
+
+
+def head_trust(head: FittedHead | None) -> Trust:
+    """What a classifier through ``head`` does by default: the head's calibration, no threshold."""
+    return Trust(head_calibration(head))
+
+
+def oof_rows(manifest: Mapping) -> tuple[list[float], list[bool]] | None:
+    """The stored out-of-fold (confidence, correct) rows, or None when the head has none."""
+    oof = manifest.get("oof")
+    if not oof:
+        return None
+    return [float(c) for c in oof["confidence"]], [bool(k) for k in oof["correct"]]
 
 
 def describe_head(head: FittedHead | None) -> dict | None:

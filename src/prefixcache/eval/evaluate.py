@@ -27,11 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
+
 from .calibration import Prior, calibrate, content_free_prior
+from ..engine.confidence import Calibration
 from ..engine.head import FittedHead
 from ..engine.head_file import head_for, text_hash
 from ..errors import InputError, setting
 from .metrics import Metrics, compute_metrics
+from .selective import Selective, selective
 from ..model.load import LoadedModel
 from ..scheduler.classify import Classifier, warmup
 from ..types import Record, RunConfig, RunStats
@@ -76,6 +80,8 @@ class EvalResult:
     metrics: Metrics
     calibrated: Metrics | None = None
     prior: Prior | None = None
+    confidence: Selective | None = None  # calibration error and accuracy against coverage of the scored rows
+    rows: tuple = ()  # per record: (confidence, correct), for the reliability diagram
 
     def to_json(self) -> dict:
         """The report as one JSON object: run facts, then ``records, accuracy, macro_f1, per_label, confusion``,
@@ -95,6 +101,8 @@ class EvalResult:
         }
         if self.calibrated is not None and self.prior is not None:
             document["calibrated"] = self.calibrated.to_json() | self.prior.to_json()
+        if self.confidence is not None:
+            document["confidence"] = self.confidence.to_json()
         return document
 
 
@@ -241,7 +249,7 @@ def evaluate(
     if failed:
         raise InputError(f"{len(failed)} record(s) could not be classified: " + "; ".join(failed[:MAX_NAMED_ROWS]))
     labels = list(classifier.task.labels)
-    metrics = compute_metrics(data.gold, [p.label for p in predictions], labels)
+    metrics = compute_metrics(data.gold, [p.best_guess for p in predictions], labels)  # abstained or not
     calibrated = prior = None
     if content_free is not None:
         prior = content_free_prior(classifier, content_free, batch_size)
@@ -261,7 +269,20 @@ def evaluate(
         metrics=metrics,
         calibrated=calibrated,
         prior=prior,
+        **_confidence(classifier, predictions, data.gold),
     )
+
+
+def _confidence(classifier: Classifier, predictions, gold) -> dict:
+    """The calibration error (as scored, and raw: the classifier's temperature undone) and accuracy against coverage."""
+    confidence = [p.confidence for p in predictions]
+    correct = [p.best_guess == g for p, g in zip(predictions, gold)]
+    temperature = classifier.trust.calibration.temperature
+    raw = None
+    if temperature != 1.0:
+        undo = Calibration(1.0 / temperature)
+        raw = [float(np.exp(undo.apply(p.scores.logprobs).max())) for p in predictions]
+    return {"confidence": selective(confidence, correct, raw), "rows": tuple(zip(confidence, correct))}
 
 
 def run_eval(

@@ -16,6 +16,7 @@ from rich.table import Table
 from ..errors import ExtraNotInstalledError
 from .evaluate import EvalResult
 from .metrics import Metrics
+from .selective import plot_trust, selective_table
 
 
 def _pct(value: float) -> str:
@@ -76,6 +77,8 @@ def eval_tables(result: EvalResult) -> list[Table]:
     tables = [summary_table(result), per_label_table(result), confusion_table(result.metrics, "raw")]
     if result.calibrated is not None:
         tables.append(confusion_table(result.calibrated, "calibrated"))
+    if result.confidence is not None:
+        tables.append(selective_table(result.confidence, "confidence (the scores as classify reports them)"))
     return tables
 
 
@@ -142,4 +145,7 @@ def emit(
         written = plot_example_sweep(results, plot, caption)
     else:
         written = plot_confusion(results[0], plot, title(results[0]))
+        if results[0].rows:
+            confidence, correct = zip(*results[0].rows)
+            err.print(f"wrote {plot_trust(confidence, correct, plot.with_suffix('.trust.png'), title(results[0]))}")
     err.print(f"wrote {written}")

@@ -19,7 +19,8 @@ from typing import Mapping
 
 from ..errors import InputError, setting
 
-FIELDS = ("task", "prompt", "labels", "model", "method", "dtype", "head")
+FIELDS = ("task", "prompt", "labels", "model", "method", "dtype", "head", "calibration", "threshold")
+# job files written before calibration lack the last two; they read as None, which is what a job without them has
 WHAT = {  # how a message names each field, and the option that changes it
     "task": ("the task", "task"),
     "prompt": ("the task's prompt (instruction, examples, template)", "task"),
@@ -28,6 +29,8 @@ WHAT = {  # how a message names each field, and the option that changes it
     "method": ("the scoring method", "method"),
     "dtype": ("the dtype", "dtype"),
     "head": ("the fitted head", "head"),
+    "calibration": ("the calibration", "calibration"),
+    "threshold": ("the confidence threshold", "min_confidence"),
 }
 
 
@@ -36,12 +39,13 @@ def job_path(out: Path) -> Path:
     return out.with_name(out.name + ".job.json")
 
 
-def write_job(out: Path, fingerprint: Mapping[str, str | None]) -> None:
-    """Write ``fingerprint`` to the job file atomically (a temporary file, fsynced, then renamed over it)."""
+def write_job(out: Path, fingerprint: Mapping[str, str | None], notes: Mapping | None = None) -> None:
+    """Write ``fingerprint`` to the job file atomically (a temporary file, fsynced, then renamed over it).
+    ``notes``: more keys to record that a resume does not compare (how the threshold was chosen, its expected coverage)."""
     path = job_path(out)
     temporary = path.with_name(path.name + ".tmp")
     with temporary.open("w") as fh:
-        json.dump({name: fingerprint[name] for name in FIELDS}, fh, indent=1)
+        json.dump({**(notes or {}), **{name: fingerprint.get(name) for name in FIELDS}}, fh, indent=1)
         fh.write("\n")
         fh.flush()
         os.fsync(fh.fileno())
@@ -66,7 +70,7 @@ def check_job(out: Path, fingerprint: Mapping[str, str | None], done_lines: int)
         stored = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"{path} cannot be read ({exc}): move {out} and it aside, or choose another {setting('out')}") from exc
-    differ = [name for name in FIELDS if not isinstance(stored, dict) or stored.get(name) != fingerprint[name]]
+    differ = [name for name in FIELDS if not isinstance(stored, dict) or stored.get(name) != fingerprint.get(name)]
     if differ:
         said = "; ".join(f"{WHAT[name][0]} ({setting(WHAT[name][1])}): {_value(stored, name)} then, {fingerprint[name]!r} now"
                          for name in differ)

@@ -33,7 +33,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterable, Iterator, Sequence
+from typing import IO, Callable, Iterable, Iterator, Sequence
 
 from ..errors import InputError, setting
 from .jsonl import json_line, write_line
@@ -172,9 +172,10 @@ def _as_json(value: object) -> object:
 
 
 def write_predictions(
-    predictions: Iterable[Prediction], sink: IO[str], on_error: str = "skip", sync_every: int | None = None
+    predictions: Iterable[Prediction], sink: IO[str], on_error: str = "skip", sync_every: int | None = None,
+    render: Callable[[Prediction], dict] = Prediction.to_json,
 ) -> Written:
-    """Write each prediction as one JSON line, in order.
+    """Write each prediction as one JSON line (``render(prediction)``), in order.
 
     ``sync_every``: flush and fsync ``sink`` every so many lines and at the end (None: flush only,
     for pipes and terminals). ``on_error``: see :data:`ON_ERROR`.
@@ -193,7 +194,7 @@ def write_predictions(
                     f"{prediction.error}\nstopped by {setting('on_error', 'fail')} after {lines} lines; fix the input, "
                     f"then rerun with {setting('resume')} to continue from this record (or use {setting('on_error', 'skip')})"
                 )
-            write_line(sink, prediction.to_json())
+            write_line(sink, render(prediction))
             lines += 1
             failed += prediction.error is not None
             flagged += prediction.warning is not None

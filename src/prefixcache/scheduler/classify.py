@@ -34,8 +34,10 @@ import torch
 
 from ..cache.kv import PrefixKV
 from ..cache.pool import PrefixPool
+from ..engine.confidence import Trust
 from ..engine.forward import score_rows
 from ..engine.head import FittedHead, head_rows
+from ..engine.calibration_file import task_trust
 from ..engine.head_file import check as check_head, head_for
 from ..engine.scoring import LabelScorer
 from ..errors import ContextOverflowError, HeadMismatchError, InputError, PromptError, setting
@@ -62,6 +64,9 @@ class Classifier(BoundTask):
     so the pool's budget and evictions govern its memory; the task's ``pin`` is honoured.
     ``label_pass`` is how ``full`` scoring feeds label tokens (see :class:`~prefixcache.engine.scoring.LabelScorer`):
     the trie, or ``"per-label"``, the reference that ``bench`` times beside it.
+    ``trust`` (:class:`~prefixcache.engine.confidence.Trust`): how each prediction is calibrated and when it
+    abstains; by default the fitted head's stored calibration (else the task's ``calibration:`` file, else
+    none) and the task's ``min_confidence`` or ``target_accuracy`` (else no threshold).
     """
 
     stats_type = RunStats
@@ -74,10 +79,12 @@ class Classifier(BoundTask):
         pool: PrefixPool | None = None,
         head: FittedHead | str | Path | None = None,
         label_pass: str = "trie",
+        trust: Trust | None = None,
     ):
         self.prompt: Prompt = build_prompt(task, loaded.tokenizer)
         super().__init__(loaded, task, pool)
         self.fitted_head = head_for(task, head)
+        self.trust = trust if trust is not None else task_trust(task, self.fitted_head, loaded, self.prompt)
         self.method = self._resolve_method(method)
         self.head = LabelScorer(loaded.model, self.prompt, "first-token" if self.fitted_head else self.method, label_pass)
         overhang = label_overhang(self.prompt, self.method)
@@ -116,6 +123,8 @@ class Classifier(BoundTask):
             "method": self.method,
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
             "head": self.fitted_head.digest() if self.fitted_head is not None else None,
+            "calibration": _trust_text(self.trust.calibration.temperature, 1.0),
+            "threshold": _trust_text(self.trust.min_confidence, None),
         }
 
     def classify(
@@ -155,10 +164,10 @@ class Classifier(BoundTask):
         return self.head.to_scores(logprobs)
 
     def _result(self, item: WorkItem, scores: LabelScores) -> Prediction:
-        return Prediction(
+        return self.trust.judge(Prediction(
             item.record.id, scores, boundary_fallback=item.boundary_fallback, truncated=item.truncated,
             warning=item.warning,
-        )
+        ))
 
     def _failed(self, item: WorkItem) -> Prediction:
         return Prediction(item.record.id, error=item.error)
@@ -166,6 +175,11 @@ class Classifier(BoundTask):
     def _tally(self, stats: RunStats, items: list[WorkItem], results: list[Prediction]) -> None:
         stats.errors += sum(1 for i in items if i.error is not None)
         stats.context_overflows += sum(1 for i in items if i.overflowed)
+
+
+def _trust_text(value: float | None, neutral: float | None) -> str | None:
+    """A calibration temperature or threshold as the job file records it (None when it changes nothing)."""
+    return None if value == neutral else repr(float(value))
 
 
 def _digest(value) -> str:

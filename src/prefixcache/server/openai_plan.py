@@ -10,6 +10,7 @@ Nothing here runs the model.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -144,6 +145,12 @@ def usage_of(result: dict) -> Usage:
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=result["cached_tokens"]))
 
 
+def choice_confidence(result: dict) -> float | None:
+    """A guided choice's confidence: the probability of the chosen option among the options (None: no choices)."""
+    logprobs = result.get("choice_logprobs")
+    return round(math.exp(max(logprobs.values())), 6) if logprobs else None
+
+
 def response_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -154,7 +161,7 @@ def chat_response(result: dict, model: str, tokenizer) -> ChatCompletion:
     choice = ChatChoice(
         index=0, message=AssistantMessage(content=result["text"]), finish_reason=result["finish"],
         logprobs=ChoiceLogprobs(content=[_chat_logprob(tokenizer, lp) for lp in logprobs]) if logprobs else None,
-        choice_logprobs=result.get("choice_logprobs"),
+        choice_logprobs=result.get("choice_logprobs"), confidence=choice_confidence(result),
     )
     return ChatCompletion(id=response_id("chatcmpl"), created=int(time.time()), model=model, choices=[choice],
                           usage=usage_of(result))
@@ -166,7 +173,7 @@ def completion_response(result: dict, model: str, tokenizer) -> Completion:
     choice = CompletionChoice(
         index=0, text=result["text"], finish_reason=result["finish"],
         logprobs=_completion_logprobs(tokenizer, logprobs) if logprobs else None,
-        choice_logprobs=result.get("choice_logprobs"),
+        choice_logprobs=result.get("choice_logprobs"), confidence=choice_confidence(result),
     )
     return Completion(id=response_id("cmpl"), created=int(time.time()), model=model, choices=[choice], usage=usage_of(result))
 

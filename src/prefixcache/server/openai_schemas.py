@@ -167,6 +167,7 @@ class ChatChoice(BaseModel):
     finish_reason: FinishReason
     logprobs: ChoiceLogprobs | None = None
     choice_logprobs: dict[str, float] | None = None
+    confidence: float | None = None  # guided choice: the chosen option's probability among the options
 
 
 class ChatCompletion(BaseModel):
@@ -191,6 +192,7 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason
     logprobs: CompletionLogprobs | None = None
     choice_logprobs: dict[str, float] | None = None
+    confidence: float | None = None  # guided choice: the chosen option's probability among the options
 
 
 class Completion(BaseModel):

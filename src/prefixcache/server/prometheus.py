@@ -85,6 +85,11 @@ class Metrics:
             "prefixcache_prefix_evictions", "Prefixes dropped by replacing the task.", ["task"], registry=r
         )
         self.tasks = Gauge("prefixcache_tasks", "Registered tasks.", registry=r)
+        self.abstentions = Counter(
+            "prefixcache_abstentions", "Items answered with no label (confidence under the task's threshold), by task "
+            "and best-guess label.", ["task", "best_guess"], registry=r,
+        )
+        self._abstained: dict[str, set[str]] = {}  # per task, the best-guess labels it has abstention series for
         self._lock = threading.Lock()
         self._done: deque[tuple[float, int]] = deque()  # (monotonic time, items) of recent passes
         self._totals = {"items": 0, "hits": 0, "misses": 0, "batches": 0, "requests": 0}
@@ -133,6 +138,18 @@ class Metrics:
             self._totals["misses"] += size - hits
             self._totals["batches"] += 1
 
+    def record_answers(self, task: str, results) -> None:
+        """Count the abstentions among a request's answered ``results`` (their JSON documents), per best guess."""
+        guesses = [r.get("best_guess") for r in results if isinstance(r, dict) and r.get("abstained")]
+        if not guesses:
+            return
+        with self._lock:
+            if task in self._deleted:
+                return
+            for guess in guesses:
+                self.abstentions.labels(task, str(guess)).inc()
+                self._abstained.setdefault(task, set()).add(str(guess))
+
     def record_prefix(self, task: str, kind: str, tokens: int, nbytes: int, replaced: bool) -> None:
         """Task ``task`` of ``kind`` was registered and its prefix built (``replaced``: it took the place of an
         older version, whose series of another kind are removed)."""
@@ -160,6 +177,8 @@ class Metrics:
                 self._deleted.popitem(last=False)
             for metric in self._per_task:
                 metric.remove(task)
+            for guess in self._abstained.pop(task, ()):
+                self.abstentions.remove(task, guess)
             if kind is not None:
                 self.items.remove(task, kind)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Sequence, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, PlainValidator, Tag, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, PlainValidator, Tag, WithJsonSchema, model_serializer
 
 from ..types import Record
 
@@ -121,13 +121,25 @@ class ClassifyResult(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str | int
-    label: str
+    label: str | None = Field(description="The label; null when the item abstained (see abstained).")
+    confidence: float = Field(description="Probability of the best label, calibrated when the task's head or "
+                              "calibration file carries a calibration.")
     scores: dict[str, float] = Field(description="Probability of each label (they sum to 1).")
+    abstained: bool | None = Field(default=None, description="Present (true) when the confidence is under the task's "
+                                   "threshold: label is null and best_guess holds the best label.")
+    best_guess: str | None = Field(default=None, description="Present with abstained: the best label.")
     margin: float = Field(description="Log-probability gap between the best and the second-best label.")
     warning: str | None = Field(
         default=None, description="Present when the item's text is empty or only whitespace: the label is the model's guess without it."
     )
     truncated: bool | None = Field(default=None, description="Present (true) when a field was cut to fit the model's context.")
+
+    @model_serializer(mode="wrap")
+    def _label_always(self, handler):
+        """``label`` stays in the answer as null when the item abstained (the route drops other absent keys)."""
+        document = handler(self)
+        document.setdefault("label", None)
+        return document
 
 
 class ClassifyResponse(BaseModel):

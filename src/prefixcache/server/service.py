@@ -247,6 +247,7 @@ class Service:
         with self.batcher.admit(len(records), client):
             prepared = await loop.run_in_executor(self._prep_threads, self._prepare, runner, records)
             results = await self.batcher.submit(runner, prepared, client)
+        self.metrics.record_answers(name, results)
         usage = Usage(reused_prefix_tokens(results), sum(len(item.rows) for item in prepared))
         return results, usage
 

@@ -61,6 +61,9 @@ def parse_upload(
     if getattr(task, "head", None) is not None:
         raise TaskUploadError("an uploaded task cannot name a head file (head:): the server reads no file a request "
                               "names; start the server with a task file that names its head")
+    if getattr(task, "calibration", None) is not None:
+        raise TaskUploadError("an uploaded task cannot name a calibration file (calibration:): the server reads no file "
+                              "a request names; start the server with a task file that names it")
     return task
 
 

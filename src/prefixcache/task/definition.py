@@ -75,6 +75,10 @@ class Task(BaseModel):
     input_template: str = "{text}"
     pin: bool = False
     head: str | None = Field(default=None, min_length=1)  # a fitted label head file; relative to the task file
+    # a prompt-only calibration file (`prefixcache fit --prompt-only`); relative to the task file
+    calibration: str | None = Field(default=None, min_length=1)
+    min_confidence: float | None = Field(default=None, ge=0.0, le=1.0)  # abstain under this confidence
+    target_accuracy: float | None = Field(default=None, gt=0.0, le=1.0)  # abstain so that accepted rows reach it
 
     @field_validator("labels")
     @classmethod
@@ -96,6 +100,12 @@ class Task(BaseModel):
         if not fields:
             raise ValueError("must name at least one record field, for example '{text}'")
         return template
+
+    @model_validator(mode="after")
+    def _one_threshold(self) -> Task:
+        if self.min_confidence is not None and self.target_accuracy is not None:
+            raise ValueError("give min_confidence or target_accuracy, not both")
+        return self
 
     @model_validator(mode="after")
     def _examples_use_known_labels(self) -> Task:
@@ -366,7 +376,10 @@ def load_task(spec: str | Path, kinds: tuple[str, ...] = ("classify",)) -> Task:
 
 
 def _head_beside(task, folder: Path):
-    """``task`` with a relative ``head:`` path resolved against the task file's ``folder``."""
+    """``task`` with relative ``head:`` and ``calibration:`` paths resolved against the task file's ``folder``."""
+    calibration = getattr(task, "calibration", None)
+    if calibration is not None and not Path(calibration).is_absolute():
+        task = task.model_copy(update={"calibration": str(folder / calibration)})
     head = getattr(task, "head", None)
     if head is None or Path(head).is_absolute():
         return task
