@@ -36,6 +36,7 @@ from typing import Callable, Literal, Sequence
 import torch
 
 from .constraint import ConstrainedRows, JsonConstraint
+from .copy_constraint import CopyConstraint
 from .detokenize import IncrementalText
 from .steps import step_boundary
 from .rows import forward_rows, pad_rows
@@ -143,10 +144,11 @@ def generate_rows(
     config: GenerationConfig,
     sampling: Sampling = GREEDY,
     on_token: Callable[[int, int], None] | None = None,
-    constraint: JsonConstraint | None = None,
+    constraint: JsonConstraint | CopyConstraint | None = None,
 ) -> tuple[list[Generation], GenerationTiming]:
     """Decode a continuation of ``prefix + row`` for every row (greedy unless ``sampling`` says otherwise),
-    under ``constraint`` when given. Results are in ``rows`` order.
+    under ``constraint`` when given (a schema, or a schema with copy fields bound to each row's source text).
+    Results are in ``rows`` order.
 
     ``on_token(row, token_id)`` is called for every generated token as soon as it is chosen (on the
     calling thread), so a caller can stream. The prefix is only read (each call uses its own fork),
@@ -159,7 +161,7 @@ def generate_rows(
     device = prefix.keys[0].device
     batch = len(rows)
     picker = TokenPicker(sampling, batch, device)
-    rules = None if constraint is None else ConstrainedRows(constraint, tokenizer, batch, config.eos_ids, config.max_new_tokens)
+    rules = None if constraint is None else constraint.start(tokenizer, batch, config.eos_ids, config.max_new_tokens)
     ids, mask, lengths = pad_rows(rows, device)  # [B, S], [B, S], [B]
     cache = prefix.fork(batch)
     past = torch.ones(batch, prefix.length, dtype=torch.bool, device=device)  # [B, P]
