@@ -39,8 +39,11 @@ def fit(
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     batch_size: int = BatchOpt,
+    field: Optional[str] = typer.Option(
+        None, "--field", help="An extraction task's choice field: fit its head on the gold column named as the field."),
 ):
-    """Fit a label head on labelled rows: prints the cross-validated eval report and writes the head."""
+    """Fit a label head on labelled rows: prints the cross-validated eval report and writes the head.
+    With --field, a head for a choice field of an extraction task (used by `extract --head FIELD=FILE`)."""
     from ..engine.features import FeatureSpec
     from ..engine.head_file import save_head
     from ..eval.evaluate import labelled_records
@@ -50,6 +53,12 @@ def fit(
     from ..task.definition import load_task
 
     output_path(out_path, "--out")
+    if field is not None:
+        from .fit_field import fit_field
+
+        options = dict(folds=folds, seed=seed, as_json=as_json, text_field=text_field, id_field=id_field, model=model,
+                       dtype=dtype, threads=threads, batch_size=batch_size)
+        return fit_field(train, task, field, out_path, options)
     if plot:
         output_path(plot, "--plot")
         check_plotting()

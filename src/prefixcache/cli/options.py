@@ -43,3 +43,9 @@ HeadOpt = typer.Option(
 )
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of a table.")
 LabelFieldOpt = typer.Option(LABEL_FIELD, "--label-field", help="Field holding each row's gold label.")
+FieldHeadOpt = typer.Option(
+    None, "--head", help="FIELD=FILE: a head fitted for a choice field (prefixcache fit --field FIELD); repeatable."
+)
+MinConfidenceOpt = typer.Option(
+    None, "--min-confidence", help="FIELD=P: leave FIELD null and flag the record when its confidence is under P; repeatable."
+)

@@ -30,7 +30,7 @@ This module knows nothing about tasks or records: only token ids, text and (thro
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, Literal, Sequence
 
 import torch
@@ -70,12 +70,15 @@ class Generation:
         text: the decoded text without end-of-sequence / special tokens, cut before the first stop string.
         finish: why it ended.
         logprobs: one per generated token when the sampling recorded log-probs, else empty.
+        state: ``[H]``, the final layer's (normed) state at the row's last prompt token, from the prefill: what a
+            fitted head with feature ``last`` reads, at no extra pass (None where a caller built it otherwise).
     """
 
     token_ids: tuple[int, ...]
     text: str
     finish: Finish
     logprobs: tuple[TokenLogprob, ...] = ()
+    state: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -193,7 +196,7 @@ def generate_rows(
         attention = torch.cat([attention, step_mask], dim=1)
         positions = positions + 1
         steps += 1
-    results = [out.generation for out in rows_out]
+    results = [replace(out.generation, state=last[row]) for row, out in enumerate(rows_out)]
     tokens = sum(len(g.token_ids) for g in results)
     return results, GenerationTiming(first_token_s, time.perf_counter() - started, steps, tokens)
 
