@@ -150,8 +150,7 @@ def generate_rows(
     constraint: JsonConstraint | CopyConstraint | None = None,
 ) -> tuple[list[Generation], GenerationTiming]:
     """Decode a continuation of ``prefix + row`` for every row (greedy unless ``sampling`` says otherwise),
-    under ``constraint`` when given (a schema, or a schema with copy fields bound to each row's source text).
-    Results are in ``rows`` order.
+    under ``constraint`` when given (a schema, or one with copy fields bound to each row's source). In ``rows`` order.
 
     ``on_token(row, token_id)`` is called for every generated token as soon as it is chosen (on the
     calling thread), so a caller can stream. The prefix is only read (each call uses its own fork),
