@@ -107,3 +107,26 @@ def test_eval_metrics():
     curve = coverage_curve([0.9, 0.4, 0.8], [True, False, False])
     assert threshold_for(curve, 1.0).threshold == 0.9 and threshold_for(curve, 1.0).coverage == pytest.approx(1 / 3)
     assert threshold_for(coverage_curve([None], [False]), 0.5) is None
+
+
+def test_cached_equals_full_under_copy_and_choice_fields(setup):
+    """verify (invariant 1) with the new kinds: full re-encoding and batched decoding give the same tokens, fields
+    and confidences in float32, the copy constraint and a choice head included."""
+    from prefixcache.eval.verify_extract import verify_extract
+    from prefixcache.scheduler.extract import Extractor
+    from prefixcache.scheduler.field_policy import FieldPolicy
+    from prefixcache.types import RunConfig
+
+    folder, _, _, _, loaded = setup
+    spec = parse_task(TASK, kinds=("extract",))
+    head_path = folder / "mood.safetensors"
+    heads = {"mood": load_head(head_path)} if head_path.exists() else {}
+    extractor = Extractor(loaded, spec, policy=FieldPolicy(spec, heads))
+    records = [Record(f"r{i}", {"text": t}) for i, (t, _, _) in enumerate(ROWS)]
+    agreement, _, _ = verify_extract(extractor, records, RunConfig("batched", 4))
+    assert agreement.identical == len(records), agreement.differing_ids
+    full = extractor.extract_all(records, RunConfig("full", 1))
+    batched = extractor.extract_all(records, RunConfig("batched", 4))
+    for a, b in zip(full, batched):
+        assert a.fields == b.fields
+        assert all(abs((a.confidence[k] or 0) - (b.confidence[k] or 0)) < 1e-4 for k in a.confidence)

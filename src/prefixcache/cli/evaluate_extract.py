@@ -58,12 +58,31 @@ def run_extract_eval(extractor, records: list, batch_size: int, target: Optional
             for r, e in zip(records, results)]
     names = [n for n in extractor.task.fields if any(n in r.fields for r in records)]
     reports = [field_report(extractor.task, name, rows) for name in names]
+    reports += prompt_only_reports(extractor, records, results, names)
     chosen = dict(thresholds) or (chosen_thresholds(reports, target) if target is not None else {})
     meta = {"task": extractor.task.name, "model": extractor.loaded.identity, "dtype": str(extractor.loaded.dtype),
             "rows": len(records), "errors": sum(e.error is not None for e in results), "seconds": round(seconds, 2),
             "records_per_s": round(len(records) / max(seconds, 1e-9), 3), "target_accuracy": target,
             "heads": {n: str(h.manifest.get("training", {}).get("rows")) + " rows" for n, h in extractor.policy.heads.items()}}
     return reports, chosen, meta
+
+
+def prompt_only_reports(extractor, records: list, results: list, names: list[str]) -> list:
+    """For each choice field a head decided: the same figures for the value the prompt alone generated (read
+    back from the raw output), reported as ``FIELD (prompt)``, so one run shows both."""
+    from dataclasses import replace
+
+    from ..eval.extract_eval import Scored, field_report
+    from ..task.answer import parse_fields
+
+    reports = []
+    for name in [n for n in names if n in extractor.policy.heads]:
+        rows = []
+        for r, e in zip(records, results):
+            generated = parse_fields(e.raw or "", [name]).fields or {}
+            rows.append(Scored(r.id, extractor.source_text(r), dict(r.fields), generated, {}))
+        reports.append(replace(field_report(extractor.task, name, rows), name=f"{name} (prompt)", curve=[]))
+    return reports
 
 
 def eval_extraction(extractor, records: list, batch_size: int, target: Optional[float], min_confidence,
