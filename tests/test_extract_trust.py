@@ -130,3 +130,15 @@ def test_cached_equals_full_under_copy_and_choice_fields(setup):
     for a, b in zip(full, batched):
         assert a.fields == b.fields
         assert all(abs((a.confidence[k] or 0) - (b.confidence[k] or 0)) < 1e-4 for k in a.confidence)
+
+
+def test_bench_measures_the_copy_constraint_beside_the_schema_alone(setup):
+    from prefixcache.bench.extract_lanes import SCHEMA_ONLY, bench_extract
+    from prefixcache.scheduler.extract import Extractor
+
+    _, _, _, _, loaded = setup
+    extractor = Extractor(loaded, parse_task(TASK, kinds=("extract",)))
+    records = [Record(f"r{i}", {"text": t}) for i, (t, _, _) in enumerate(ROWS[:3])]
+    lanes = bench_extract(extractor, records, 3, log=lambda _: None)
+    assert [lane.mode for lane in lanes] == ["full", "cached", "batched", SCHEMA_ONLY]
+    assert lanes[-1].constrained and lanes[-1].parse_errors == 0 and extractor.copied == ("ref",)

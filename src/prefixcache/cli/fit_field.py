@@ -41,6 +41,8 @@ def fit_field(train: str, task: str, field: str, out_path: Path, options: dict) 
         print(json.dumps({"fit": result.cv_json(), "field": field}))
     else:
         out.print(fit_table(result))
+        err.print("(an extraction prompt has no label rows: its 'prompt' row is a uniform guess, not the prompt's answer; "
+                  "`eval --field-head` reports the prompt's own value beside the head's)", highlight=False)
     err.print(f"wrote {written} (field {field}: {len(features.labels)} values, {features.features.shape[1]} features, "
               f"fit {result.seconds:.1f} s)")
 
