@@ -86,11 +86,29 @@ def test_fit_field_extract_head_flags_and_eval(setup):
     assert 0.0 <= document["fields"]["mood"]["accuracy"] <= 1.0 and document["fields"]["mood"]["macro_f1"] is not None
 
 
-def test_a_head_for_a_non_choice_field_is_refused(setup):
+def test_a_head_for_a_field_that_is_neither_choice_nor_copy_is_refused(setup):
     folder, task, data, model, _ = setup
-    result = cli("fit", data, "--field", "ref", "--out", folder / "x.safetensors", "--task", task, "--model", model,
+    result = cli("fit", data, "--field", "nope", "--out", folder / "x.safetensors", "--task", task, "--model", model,
                  "--id-field", "id")
-    assert result.exit_code != 0 and "not a choice field" in result.output
+    assert result.exit_code != 0 and "not a choice or copy field" in result.output
+
+
+def test_a_presence_head_nulls_a_copy_field_it_calls_absent(setup):
+    """fit --field on a copy field fits absent/present; extract --head then leaves the field null where the head
+    says absent (with the head's probability as confidence), and keeps the copied span elsewhere."""
+    folder, task, data, model, loaded = setup
+    head_path = folder / "ref.safetensors"
+    common = ("--task", task, "--model", model, "--dtype", "float32", "--id-field", "id")
+    assert cli("fit", data, "--field", "ref", "--out", head_path, "--folds", "2", *common).exit_code == 0
+    head = load_head(head_path)
+    assert head.labels == ("absent", "present")
+    out = folder / "ref.jsonl"
+    cli("extract", data, "--head", f"ref={head_path}", "--out", out, *common)
+    spec = parse_task(TASK, kinds=("extract",))
+    features = collect_field_features(loaded, spec, "ref", [Record(f"r{i}", {"text": t}) for i, (t, _, _) in enumerate(ROWS)])
+    for line, said in zip((json.loads(x) for x in out.read_text().splitlines()), head.predict(features.features)):
+        if said == "absent":
+            assert line["fields"]["ref"] is None and line["confidence"]["ref"] >= 0.5
 
 
 def test_eval_metrics():

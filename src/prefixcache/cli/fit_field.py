@@ -1,4 +1,5 @@
-"""``prefixcache fit --field NAME``: a head for a choice field of an extraction task, fitted on rows with gold values."""
+"""``prefixcache fit --field NAME``: a head for a choice field of an extraction task (its values), or for a copy
+field (whether the record holds a value: absent / present), fitted on rows with gold values."""
 
 from __future__ import annotations
 
@@ -16,24 +17,23 @@ def fit_field(train: str, task: str, field: str, out_path: Path, options: dict) 
     from ..eval.fit_head import fit_head
     from ..eval.fit_report import fit_table
     from ..io import records as data
-    from ..scheduler.field_features import collect_field_features
+    from ..scheduler.field_features import collect_field_features, head_labels
     from ..task.definition import ExtractTask, load_any_task
 
     spec = load_any_task(task)
     if not isinstance(spec, ExtractTask):
         raise InputError(f"--field {field}: task {spec.name!r} is a classification task; fit its head without --field")
-    if field not in spec.names_of_kind("choice"):
-        choices = ", ".join(spec.names_of_kind("choice")) or "none"
-        raise InputError(f"--field {field}: not a choice field of task {spec.name!r} (choice fields: {choices})")
+    labels = head_labels(spec, field)
     records = list(data.read_records(train, options["text_field"], options["id_field"]))
-    missing = [r.id for r in records if r.fields.get(field) in (None, "")]
+    copy = spec.kind_of(field) == "copy"
+    missing = [r.id for r in records if (field not in r.fields if copy else r.fields.get(field) in (None, ""))]
     if missing:
         raise InputError(f"record {missing[0]!r}: no gold value in column {field!r} ({len(missing)} record(s) lack one)")
     loaded = load(options["model"], options["dtype"], options["threads"])
     with progress(len(records), "features") as bar:
         features = collect_field_features(loaded, spec, field, records, options["batch_size"], bar.update)
     features = features.require_complete("training row")
-    gold = {r.id: str(r.fields[field]) for r in records}
+    gold = {r.id: (labels[r.fields[field] not in (None, "")] if copy else str(r.fields[field])) for r in records}
     result = fit_head(features, gold, folds=options["folds"], seed=options["seed"])
     result.head.manifest.update({"task": spec.name, "field": field})
     written = save_head(result.head, out_path)

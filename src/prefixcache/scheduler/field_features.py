@@ -5,7 +5,9 @@
 ``last`` feature: the final layer's state at the record's last token, which is exactly the state an extraction's
 prefill computes before its first generated token, so applying the head costs no extra pass. The result is a
 :class:`~prefixcache.scheduler.feature_pass.FeatureSet` whose labels are the field's values; its prompt
-log-probs are uniform (an extraction prompt has no label rows: the fit is from scratch).
+log-probs are uniform (an extraction prompt has no label rows: the fit is from scratch). For a ``copy`` field the
+labels are :data:`PRESENCE`: a head that says whether the record holds a value at all (the decoder, held to
+spans, copies *something* unless the model chooses null; the head decides null instead).
 
 This module does not fit anything (see :mod:`prefixcache.eval.fit_head`) and does not print.
 """
@@ -31,6 +33,20 @@ from .feature_pass import FeatureSet, RowFeatures
 from .loop import BoundTask, WorkItem
 
 FIELD_FEATURE = "last"  # the prefill's own state: a field head is applied at no extra pass
+PRESENCE = ("absent", "present")  # what a copy field's head predicts: whether the record holds a value to copy
+
+
+def head_labels(task: ExtractTask, field: str) -> tuple[str, ...]:
+    """What a head for ``field`` predicts: a choice field's values, or a copy field's :data:`PRESENCE`.
+
+    Raises:
+        InputError: ``field`` is neither a choice nor a copy field of ``task``.
+    """
+    decl = task.fields.get(field)
+    if decl is None or decl.kind not in ("choice", "copy"):
+        fitted = ", ".join(task.names_of_kind("choice") + task.names_of_kind("copy")) or "none"
+        raise InputError(f"--field {field}: not a choice or copy field of task {task.name!r} (those fields: {fitted})")
+    return tuple(decl.values or ()) if decl.kind == "choice" else PRESENCE
 
 
 class FieldFeatureCollector(BoundTask):
@@ -39,13 +55,9 @@ class FieldFeatureCollector(BoundTask):
     stats_type = WindowStats
 
     def __init__(self, loaded: LoadedModel, task: ExtractTask, field: str):
-        decl = task.fields.get(field)
-        if decl is None or decl.kind != "choice":
-            choices = ", ".join(task.names_of_kind("choice")) or "none"
-            raise InputError(f"--field {field}: not a choice field of task {task.name!r} (choice fields: {choices})")
+        self.labels = head_labels(task, field)
         self.prompt = build_extract_prompt(task, loaded.tokenizer)
         super().__init__(loaded, task)
-        self.labels = tuple(decl.values or ())
         self.spec = FeatureSpec.parse(FIELD_FEATURE).resolve(loaded.model)
 
     def _forward(self, prefix: PrefixKV, batch: list[WorkItem], stats) -> list[torch.Tensor]:

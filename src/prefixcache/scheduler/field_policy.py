@@ -12,6 +12,9 @@ into :class:`JudgedFields`:
   state at the record's last token, from the same prefill that fed the generation, and its probability as the
   confidence (the head's softmax, uncalibrated: no temperature is fitted);
 * a copy field's empty string becomes null (an empty span copies nothing);
+* a ``copy`` field with a fitted presence head (``fit --field`` on a copy field: absent / present): where the head
+  says absent the field is null, with the head's probability as its confidence; where it says present the copied
+  span stays, its confidence the head's probability times the span's;
 * a field whose confidence is under ``min_confidence[field]`` is set to null and named in ``flagged``, for a
   person to review.
 
@@ -30,6 +33,7 @@ from ..engine.generate import Generation
 from ..engine.head import FittedHead
 from ..engine.json_cursor import value_tokens
 from ..errors import InputError
+from .field_features import PRESENCE
 from ..task.definition import ExtractTask
 
 
@@ -59,12 +63,12 @@ class FieldPolicy:
     def __post_init__(self):
         for name, head in self.heads.items():
             decl = self.task.fields.get(name)
-            if decl is None or decl.kind != "choice":
-                raise InputError(f"--head {name}=...: {name!r} is not a choice field of task {self.task.name!r} "
-                                 f"(choice fields: {', '.join(self.task.names_of_kind('choice')) or 'none'})")
-            if set(head.labels) != set(decl.values or ()):
-                raise InputError(f"--head {name}=...: the head's labels {list(head.labels)} are not the field's "
-                                 f"values {list(decl.values or ())}; fit it with `prefixcache fit --field {name}`")
+            if decl is None or decl.kind not in ("choice", "copy"):
+                raise InputError(f"--head {name}=...: {name!r} is not a choice or copy field of task {self.task.name!r}")
+            wanted = set(decl.values or ()) if decl.kind == "choice" else set(PRESENCE)
+            if set(head.labels) != wanted:
+                raise InputError(f"--head {name}=...: the head's labels {list(head.labels)} are not {sorted(wanted)}; "
+                                 f"fit it with `prefixcache fit --field {name}`")
             if head.feature != "last":
                 raise InputError(f"--head {name}=...: a field head reads feature 'last' (the prefill's state), "
                                  f"this one reads {head.feature!r}; fit it with --feature last")
@@ -85,8 +89,15 @@ class FieldPolicy:
             if fields.get(name) == "":
                 fields[name] = None
         for name, head in self.heads.items():
-            if generation.state is not None:
-                fields[name], confidence[name] = head_choice(head, generation.state)
+            if generation.state is None:
+                continue
+            value, probability = head_choice(head, generation.state)
+            if self.task.kind_of(name) == "choice":
+                fields[name], confidence[name] = value, probability
+            elif value == PRESENCE[0]:  # a copy field the head says the record does not hold
+                fields[name], confidence[name] = None, probability
+            elif fields.get(name) is not None:
+                confidence[name] = probability * (confidence.get(name) or 0.0)
         flagged = tuple(n for n, t in self.min_confidence.items() if n in fields and (confidence.get(n) or 0.0) < t)
         for name in flagged:
             fields[name] = None
