@@ -117,6 +117,15 @@ BAD = {
     ("suggest", "--feature"): ("first", "is not one of last, mean", 2),
     ("suggest", "--feature-cache"): ("{file}", "is a file", 2),
     ("suggest", "--seed"): ("x", "--seed", 2),
+    ("bench", "--ray-workers"): ("0", "--ray-workers", 2),
+    # the field options of eval: the base task classifies, so any value is refused as not applying
+    ("eval", "--field-head"): ("x=/nonexistent-folder/head.safetensors", "extraction task's fields only", 2),
+    ("eval", "--min-confidence"): ("x=0.5", "--min-confidence", 2),
+    ("eval", "--target-accuracy"): ("2", "--target-accuracy", 2),
+    ("fit", "--field"): ("nope", "is a classification task", 2),
+    ("extract", "--head"): ("nope", "expected FIELD=VALUE", 2),
+    ("extract", "--min-confidence"): ("sentiment=x", "--min-confidence", 2),
+    ("extract", "--review"): (f"{NOWHERE}/review.jsonl", "cannot write", 2),
     ("cache ls", "--cache-dir"): ("/nonexistent-folder/cache", "no such cache folder", 2),
     ("cache clear", "--cache-dir"): ("/nonexistent-folder/cache", "no such cache folder", 2),
 }

@@ -138,7 +138,7 @@ def test_every_record_gets_a_result_and_errors_name_the_record(tiny_llama, extra
     assert [r.id for r in results] == ["ok", "missing", "list"]
     assert results[0].raw is not None and (results[0].fields is not None or "JSON" in results[0].error)
     assert results[1].raw is None and "'missing'" in results[1].error and "'text'" in results[1].error
-    assert set(results[0].to_json()) == {"id", "fields", "raw", "error"}
+    assert set(results[0].to_json()) == {"id", "fields", "raw", "error", "confidence", "flagged"}
 
 
 @pytest.mark.parametrize("mode", ["full", "cached", "batched"])
@@ -231,7 +231,7 @@ def test_cli_extract_writes_one_line_per_record(model_dir, files, tmp_path):
     )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == [f"T{i}" for i in range(5)]
-    assert all(set(r) == {"id", "fields", "raw", "error"} for r in rows)
+    assert all(set(r) == {"id", "fields", "raw", "error", "confidence", "flagged"} for r in rows)
     assert result.exit_code == (1 if any(r["error"] for r in rows) else 0), result.output
     assert "tokens/s" in result.stderr and "prefix pool:" in result.stderr
 

@@ -69,7 +69,7 @@ def test_extract_equals_the_engine_and_concurrent_requests_are_merged(loaded, ex
         assert status == 200, f"request {n} ({len(requests[n])} items): {status} {body}"
         assert [r["id"] for r in body["results"]] == [r.id for r in requests[n]], f"request {n}: results missing or out of order"
         for result in body["results"]:
-            assert set(result) == {"id", "fields", "raw", "error"}
+            assert set(result) == {"id", "fields", "raw", "error", "confidence", "flagged"}
             assert result == reference[result["id"]], f"request {n}: {result} != the engine's {reference[result['id']]}"
         assert body["usage"] == expected_usage(loaded, extract_task, requests[n])
     items = sum(len(r) for r in requests)

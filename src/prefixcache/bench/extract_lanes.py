@@ -4,7 +4,9 @@
 classification benchmark's :class:`~prefixcache.bench.lanes.ModeResult`, so one table prints both.
 The ``full``, ``cached`` and ``batched`` lanes decode under the task's answer schema (as ``extract`` does);
 a last lane, ``batched-unconstrained``, decodes the same batches freely, to show what the constraint costs
-and how many outputs it changes or rescues.
+and how many outputs it changes or rescues. For a task with ``copy`` fields, ``batched-schema-only`` decodes the
+same batches under the schema alone (copy fields as plain strings), so the copy constraint's cost is measured in
+the same run; its identical share is against ``batched``.
 
 The decoding floor (:func:`~prefixcache.bench.roofline.decode_floor`): the memory read bandwidth measured in
 the same run over the model's weight bytes, the most tokens/s a batch-size-1 greedy decoder can generate (each
@@ -21,6 +23,7 @@ over the ``.gguf``'s bytes.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
@@ -35,6 +38,7 @@ from .peer_extract import LLAMA_CPP, llama_cpp_generate
 from .roofline import DecodeFloor, decode_floor
 
 UNCONSTRAINED = "batched-unconstrained"  # the lane that decodes without the answer schema
+SCHEMA_ONLY = "batched-schema-only"  # the lane that decodes under the schema without the copy constraint
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,8 @@ def bench_extract(
     ``peer`` (llama.cpp, :mod:`prefixcache.bench.peer_extract`), whose outputs are compared with the
     unconstrained lane's (or, without one, the full lane's)."""
     lanes = [(mode.value, extractor, mode) for mode in Mode]  # full (the reference) first
+    if extractor.copied:
+        lanes.append((SCHEMA_ONLY, schema_only(extractor), Mode.BATCHED))
     if free is not None:
         lanes.append((UNCONSTRAINED, free, Mode.BATCHED))
     for each in (extractor,) if free is None else (extractor, free):
@@ -81,7 +87,7 @@ def bench_extract(
         started = time.perf_counter()
         outputs = outputs_of[name] = each.extract_all(records, RunConfig(mode, size), stats=stats)
         seconds = time.perf_counter() - started
-        reference = outputs_of[Mode.BATCHED.value if name == UNCONSTRAINED else Mode.FULL.value]
+        reference = outputs_of[Mode.BATCHED.value if name in (UNCONSTRAINED, SCHEMA_ONLY) else Mode.FULL.value]
         results.append(_lane(name, size, len(records), seconds, stats, compare_extractions(reference, outputs).rate,
                              each.constraint is not None))
     if peer is not None:
@@ -92,6 +98,13 @@ def bench_extract(
         reference = outputs_of[UNCONSTRAINED if free is not None else Mode.FULL.value]
         results.append(_lane(LLAMA_CPP, 1, len(records), seconds, stats, compare_extractions(reference, outputs).rate, False))
     return results
+
+
+def schema_only(extractor: Extractor) -> Extractor:
+    """The same extractor (prompt, prefix, policy) decoding under its schema alone: copy fields as plain strings."""
+    plain = copy.copy(extractor)
+    plain.copied = ()
+    return plain
 
 
 def _lane(

@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 from .errors import reported, err, out, output_path
-from .loading import check_text_field, setup_classifier
+from .evaluate_extract import eval_extraction, field_policy
+from .loading import check_text_field, setup_classifier, setup_extractor
 from .options import (
     BatchOpt, DtypeOpt, HeadOpt, IdFieldOpt, LabelFieldOpt, MethodOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt,
 )
@@ -38,19 +39,32 @@ def eval_(
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     head: Optional[Path] = HeadOpt,
+    field_head: Optional[list[str]] = typer.Option(None, "--field-head", help="Extraction: FIELD=FILE, a choice field's head."),
+    min_confidence: Optional[list[str]] = typer.Option(None, "--min-confidence", help="Extraction: FIELD=P thresholds to report."),
+    target_accuracy: Optional[float] = typer.Option(
+        None, "--target-accuracy", min=0.0, max=1.0, help="Extraction: per field, the lowest threshold reaching this accuracy."),
 ):
-    """Score a task against gold labels: accuracy, macro-F1, per-label precision/recall, confusion matrix."""
+    """Score a task against gold labels: accuracy, macro-F1, per-label precision/recall, confusion matrix.
+    For an extraction task, gold fields are the columns named as its fields (docs/extraction.md)."""
     from ..eval.calibration import CONTENT_FREE
     from ..eval.evaluate import parse_steps, plan_eval, run_eval
     from ..eval.report import check_plotting, emit
     from ..io import records as data
-    from ..task.definition import load_task
+    from ..task.definition import ExtractTask, load_any_task, load_task
 
     if plot:
         output_path(plot, "--plot")
         check_plotting()
     steps = parse_steps(sweep_examples) if sweep_examples is not None else None
     records = list(check_text_field(data.read_records(input, text_field, id_field), text_field))
+    if isinstance(load_any_task(task), ExtractTask):
+        extractor = setup_extractor(task, model, dtype, threads, None)
+        extractor.policy = field_policy(extractor, field_head, None)
+        return eval_extraction(extractor, records, batch_size, target_accuracy, min_confidence, as_json, plot)
+    for option, given in (("--field-head", field_head), ("--min-confidence", min_confidence),
+                          ("--target-accuracy", target_accuracy)):
+        if given:
+            raise typer.BadParameter("applies to an extraction task's fields only", param_hint=option)
     plan = plan_eval(load_task(task), records, label_field, steps, seed, head)
     classifier = setup_classifier(task, model, dtype, threads, method, head=plan.head)
     neutral = tuple(content_free) if content_free else CONTENT_FREE if calibrate else None

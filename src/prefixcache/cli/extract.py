@@ -13,9 +13,10 @@ from ..types import DEFAULT_EXTRACT_TASK, MODES, RunConfig
 from .errors import reported, choice, err, open_output, output_path
 from .loading import check_text_field, make_pool, progress, setup_extractor
 from .options import (
-    BatchOpt, CacheBudgetOpt, CacheDirBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, IdFieldOpt, InputArg, KVStorageOpt,
-    ModelOpt, ModeOpt, TextFieldOpt, ThreadsOpt,
+    BatchOpt, CacheBudgetOpt, CacheDirBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, FieldHeadOpt, IdFieldOpt, InputArg,
+    KVStorageOpt, FieldMinConfidenceOpt, ModelOpt, ModeOpt, TextFieldOpt, ThreadsOpt,
 )
+from .evaluate_extract import field_policy
 from .reports import report_pool
 
 
@@ -41,18 +42,23 @@ def extract(
         True, "--constrained/--unconstrained",
         help="Decode under the task's answer schema (the default: every output parses), or freely.",
     ),
+    head: Optional[list[str]] = FieldHeadOpt,
+    min_confidence: Optional[list[str]] = FieldMinConfidenceOpt,
+    review: Optional[Path] = typer.Option(None, "--review", help="Also write each record with flagged fields here (JSONL)."),
 ):
     """Extract the task's fields from every record by greedy generation after the cached prefix.
 
-    Decoding follows the task's answer schema (a JSON object of exactly the declared fields, strings or
-    null) unless --unconstrained. Writes one JSON line per record: id, fields, raw (the generated text),
-    error (a parse failure names what is wrong). Exit code 1 when any record has an error.
+    Decoding follows the task's answer schema (a JSON object of exactly the declared fields, each as its kind
+    says; copy fields only copy spans of the record) unless --unconstrained. Writes one JSON line per record:
+    id, fields, raw (the generated text), error (a parse failure names what is wrong), confidence (per field)
+    and flagged (fields left null under --min-confidence). Exit code 1 when any record has an error.
     """
     config = RunConfig(choice(mode, MODES, "--mode"), batch_size)
     output_path(out_path, "--out")
     pool = make_pool(cache_budget, cache_dir, kv_storage, eviction, cache_dir_budget)
     extractor = setup_extractor(task, model, dtype, threads, pool, max_new_tokens, constrained)
-    stats = extract_into(extractor, input, text_field, id_field, config, out_path)
+    extractor.policy = field_policy(extractor, head, min_confidence)
+    stats = extract_into(extractor, input, text_field, id_field, config, out_path, review)
     err.print(
         f"{stats.records} records in {stats.seconds:.1f} s, {stats.tokens_generated} tokens generated "
         f"({stats.tokens_generated / max(stats.seconds, 1e-9):.1f} tokens/s), {stats.errors} errors "
@@ -65,7 +71,7 @@ def extract(
 
 
 def extract_into(extractor, input: str, text_field: str, id_field: Optional[str], config: RunConfig,
-                 out_path: Optional[Path]):
+                 out_path: Optional[Path], review: Optional[Path] = None):
     """Stream the records, extract them and write one JSON line each to ``out_path`` (or stdout); the stats.
     A row that cannot be read (not UTF-8, not JSON, no usable id) gets an error line and the job goes on."""
     from ..io import records as data
@@ -76,9 +82,12 @@ def extract_into(extractor, input: str, text_field: str, id_field: Optional[str]
     # bad rows come through with their error (an error line naming the row and field), like classify's
     records = check_text_field(data.scan_records(input, text_field, id_field), text_field)
     stats = ExtractStats()
-    with (open_output(out_path, "w", "--out") if out_path else nullcontext(sys.stdout)) as sink:
+    with (open_output(out_path, "w", "--out") if out_path else nullcontext(sys.stdout)) as sink, \
+            (open_output(review, "w", "--review") if review else nullcontext()) as flagged:
         with progress(total, f"extract [{config.mode}]") as bar:
             for extraction in extractor.extract(records, config, progress=bar.update, stats=stats):
                 write_line(sink, extraction.to_json())
                 sink.flush()
+                if flagged is not None and extraction.flagged:
+                    write_line(flagged, extraction.to_json())
     return stats

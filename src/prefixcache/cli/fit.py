@@ -43,25 +43,27 @@ def fit(
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     batch_size: int = BatchOpt,
+    field: Optional[str] = typer.Option(
+        None, "--field", help="An extraction task's choice field: fit its head on the gold column named as the field."),
 ):
     """Fit a label head on labelled rows: prints the cross-validated eval report and writes the head, calibrated on its
-    out-of-fold predictions. With --prompt-only: calibrate the prompt's own scores and write a calibration file."""
+    out-of-fold predictions. With --prompt-only: calibrate the prompt's own scores and write a calibration file.
+    With --field: a head for a choice field of an extraction task (used by `extract --head FIELD=FILE`)."""
     from ..engine.features import FeatureSpec
     from ..engine.head_file import save_head
     from ..eval.evaluate import labelled_records
     from ..eval.fit_curve import parse_shots
-    from ..eval.report import check_plotting
     from ..io import records as data
     from ..task.definition import load_task
 
     if prompt_only:
         return fit_prompt_only(train, task, label_field, out_path, text_field, id_field, (model, dtype, threads), batch_size)
-    if out_path is None:
-        raise typer.BadParameter("where to write the head", param_hint="--out")
-    output_path(out_path, "--out")
-    if plot:
-        output_path(plot, "--plot")
-        check_plotting()
+    _check_out(out_path, plot if field is None else None)
+    if field is not None:
+        from .fit_field import fit_field
+
+        return fit_field(train, task, field, out_path, dict(folds=folds, seed=seed, as_json=as_json, text_field=text_field,
+                         id_field=id_field, model=model, dtype=dtype, threads=threads, batch_size=batch_size))
     FeatureSpec.parse(feature)  # a bad spec is refused before the model loads
     shots = parse_shots(curve) if curve is not None else None
     spec = load_task(task)
@@ -73,6 +75,18 @@ def fit(
     written = save_head(result.head, out_path)
     _report(result, features, points, spec, loaded, batch_size, 1000 * seconds / len(rows.records), as_json, plot)
     err.print(f"wrote {written} ({len(features.labels)} labels, {features.features.shape[1]} features, fit {result.seconds:.1f} s)")
+
+
+def _check_out(out_path: Optional[Path], plot: Optional[Path]) -> None:
+    """``--out`` is required for a head and must be writable; so must ``--plot``, with matplotlib installed."""
+    from ..eval.report import check_plotting
+
+    if out_path is None:
+        raise typer.BadParameter("where to write the head", param_hint="--out")
+    output_path(out_path, "--out")
+    if plot:
+        output_path(plot, "--plot")
+        check_plotting()
 
 
 def fit_prompt_only(train, task: str, label_field: str, out_path: Optional[Path], text_field: str, id_field, model_options,

@@ -59,3 +59,9 @@ KeepFieldsOpt = typer.Option(None, "--keep-fields", help="Input fields (a,b) to 
 KeepInputOpt = typer.Option(False, "--keep-input", help="Write every input field beside each label.")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of a table.")
 LabelFieldOpt = typer.Option(LABEL_FIELD, "--label-field", help="Field holding each row's gold label.")
+FieldHeadOpt = typer.Option(
+    None, "--head", help="FIELD=FILE: a head fitted for a choice field (prefixcache fit --field FIELD); repeatable."
+)
+FieldMinConfidenceOpt = typer.Option(
+    None, "--min-confidence", help="FIELD=P: leave FIELD null and flag the record when its confidence is under P; repeatable."
+)

@@ -67,6 +67,11 @@ class JsonConstraint:
     grammar: str = field(repr=False, compare=False)
     close_within_budget: bool = True
 
+    def start(self, tokenizer, batch: int, eos_ids: frozenset[int], max_new_tokens: int) -> ConstrainedRows:
+        """The per-call grammar state of ``batch`` rows (see :class:`ConstrainedRows`); a constraint that binds
+        more than a schema (:class:`~prefixcache.engine.copy_constraint.CopyConstraint`) has its own ``start``."""
+        return ConstrainedRows(self, tokenizer, batch, eos_ids, max_new_tokens)
+
 
 def json_constraint(schema: dict | bool, close_within_budget: bool = True) -> JsonConstraint:
     """Compile ``schema`` (a JSON Schema object, or ``True`` for any JSON value). Cached by the schema's text.

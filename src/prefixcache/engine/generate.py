@@ -30,12 +30,13 @@ This module knows nothing about tasks or records: only token ids, text and (thro
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, Literal, Sequence
 
 import torch
 
 from .constraint import ConstrainedRows, JsonConstraint
+from .copy_constraint import CopyConstraint
 from .detokenize import IncrementalText
 from .steps import step_boundary
 from .rows import forward_rows, pad_rows
@@ -69,12 +70,15 @@ class Generation:
         text: the decoded text without end-of-sequence / special tokens, cut before the first stop string.
         finish: why it ended.
         logprobs: one per generated token when the sampling recorded log-probs, else empty.
+        state: ``[H]``, the final layer's (normed) state at the row's last prompt token, from the prefill: what a
+            fitted head with feature ``last`` reads, at no extra pass (None where a caller built it otherwise).
     """
 
     token_ids: tuple[int, ...]
     text: str
     finish: Finish
     logprobs: tuple[TokenLogprob, ...] = ()
+    state: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -145,10 +149,10 @@ def generate_rows(
     config: GenerationConfig,
     sampling: Sampling = GREEDY,
     on_token: Callable[[int, int], None] | None = None,
-    constraint: JsonConstraint | None = None,
+    constraint: JsonConstraint | CopyConstraint | None = None,
 ) -> tuple[list[Generation], GenerationTiming]:
     """Decode a continuation of ``prefix + row`` for every row (greedy unless ``sampling`` says otherwise),
-    under ``constraint`` when given. Results are in ``rows`` order.
+    under ``constraint`` when given (a schema, or one with copy fields bound to each row's source). In ``rows`` order.
 
     ``on_token(row, token_id)`` is called for every generated token as soon as it is chosen (on the
     calling thread), so a caller can stream. The prefix is only read (each call uses its own fork),
@@ -161,7 +165,7 @@ def generate_rows(
     device = prefix.keys[0].device
     batch = len(rows)
     picker = TokenPicker(sampling, batch, device)
-    rules = None if constraint is None else ConstrainedRows(constraint, tokenizer, batch, config.eos_ids, config.max_new_tokens)
+    rules = None if constraint is None else constraint.start(tokenizer, batch, config.eos_ids, config.max_new_tokens)
     ids, mask, lengths = pad_rows(rows, device)  # [B, S], [B, S], [B]
     cache = prefix.fork(batch)
     past = torch.ones(batch, prefix.length, dtype=torch.bool, device=device)  # [B, P]
@@ -193,7 +197,7 @@ def generate_rows(
         attention = torch.cat([attention, step_mask], dim=1)
         positions = positions + 1
         steps += 1
-    results = [out.generation for out in rows_out]
+    results = [replace(out.generation, state=last[row]) for row, out in enumerate(rows_out)]
     tokens = sum(len(g.token_ids) for g in results)
     return results, GenerationTiming(first_token_s, time.perf_counter() - started, steps, tokens)
 

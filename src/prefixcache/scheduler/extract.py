@@ -7,8 +7,14 @@ of records (prepare, plan, run, report; see :mod:`prefixcache.scheduler.loop`):
 * run: one :func:`~prefixcache.engine.generate.generate_rows` call per batch, constrained by default to the
   task's answer schema (:func:`~prefixcache.task.answer.answer_schema`: an object of exactly the declared
   fields, strings or null), so every output parses; ``constrained=False`` decodes freely (to compare);
-* report: parse each output as JSON (:func:`~prefixcache.task.answer.parse_fields`, kept as the check);
+* report: parse each output as JSON (:func:`~prefixcache.task.answer.parse_fields`, kept as the check),
+  then apply the task's field policy (:mod:`prefixcache.scheduler.field_policy`: choice fields through their
+  fitted heads, a confidence per field, fields under their threshold left null and flagged);
   Extractions are yielded in input order.
+
+Copy fields (``kind: copy``): under the constraint, each batch binds the task's copy fields to each record's own
+text (:class:`~prefixcache.engine.copy_constraint.CopyConstraint`), so a copied value is a span of the record
+or null.
 
 Modes are the classifier's (:class:`~prefixcache.types.Mode`): ``full`` generates
 from the whole prompt (the uncached baseline), ``cached`` one record at a time
@@ -28,14 +34,19 @@ from typing import Callable, Iterable, Iterator
 from ..cache.kv import PrefixKV
 from ..cache.pool import PrefixPool
 from ..engine.constraint import grammar_tokenizer, json_constraint
+from ..engine.copy_constraint import CopyConstraint, token_table
 from ..engine.generate import Generation, GenerationConfig, eos_ids_of, generate_rows
+from ..engine.sampling import Sampling
 from ..model.load import LoadedModel
 from ..task.answer import answer_schema, parse_fields
 from ..model.context_window import context_limit
 from ..task.extract_prompt import build_extract_prompt
 from ..task.definition import ExtractTask
 from ..types import Mode, Record, RunConfig, WindowStats
+from .field_policy import FieldPolicy
 from .loop import BoundTask, WorkItem, route
+
+CONFIDENCE = Sampling(top_logprobs=0)  # greedy, recording each token's log-prob (the fields' confidence)
 
 
 @dataclass(frozen=True)
@@ -43,7 +54,8 @@ class Extraction:
     """The result for one record. ``error`` is set when the record could not be rendered or parsed.
 
     ``raw`` is the generated text (None when nothing was generated); ``fields`` the parsed
-    declared fields (possibly partial when some are missing).
+    declared fields (possibly partial when some are missing), after the field policy; ``confidence`` per field;
+    ``flagged``: fields left null for being under their threshold.
     """
 
     id: object
@@ -53,9 +65,14 @@ class Extraction:
     token_ids: tuple[int, ...] = field(default=(), repr=False)
     finish: str | None = None
     boundary_fallback: bool = False
+    confidence: dict | None = None
+    flagged: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
-        return {"id": self.id, "fields": self.fields, "raw": self.raw, "error": self.error}
+        confidence = None if self.confidence is None else {
+            k: (None if v is None else round(v, 4)) for k, v in self.confidence.items()}
+        return {"id": self.id, "fields": self.fields, "raw": self.raw, "error": self.error, "confidence": confidence,
+                "flagged": list(self.flagged)}
 
 
 @dataclass
@@ -84,7 +101,7 @@ class Extractor(BoundTask):
 
     def __init__(
         self, loaded: LoadedModel, task: ExtractTask, pool: PrefixPool | None = None, max_new_tokens: int | None = None,
-        constrained: bool = True,
+        constrained: bool = True, policy: FieldPolicy | None = None,
     ):
         self.prompt = build_extract_prompt(task, loaded.tokenizer)
         super().__init__(loaded, task, pool)
@@ -94,6 +111,10 @@ class Extractor(BoundTask):
         self.constraint = json_constraint(answer_schema(task)) if constrained else None
         if constrained:  # fails here rather than in the first batch, and pays the one-time build now
             grammar_tokenizer(loaded.tokenizer, self.generation.eos_ids)
+        self.policy = policy or FieldPolicy(task)
+        self.copied = tuple(task.names_of_kind("copy")) if constrained else ()
+        # the vocabulary as bytes, to find which tokens wrote which field (the confidence): constrained decoding only
+        self._token_bytes = token_table(loaded.tokenizer, self.generation.eos_ids).token_bytes if constrained else None
 
     def extract(
         self,
@@ -121,14 +142,21 @@ class Extractor(BoundTask):
 
     def _forward(self, prefix: PrefixKV, batch: list[WorkItem], stats: ExtractStats) -> list[Generation]:
         rows = [it.rows for it in batch]
+        constraint = self.constraint
+        if self.copied:  # the copy fields bound to each record's own text
+            constraint = CopyConstraint(constraint, self.copied, tuple(self.source_text(it.record) for it in batch))
         generations, timing = generate_rows(
-            self.loaded.model, self.loaded.tokenizer, prefix, rows, self.generation, constraint=self.constraint
+            self.loaded.model, self.loaded.tokenizer, prefix, rows, self.generation, CONFIDENCE, constraint=constraint
         )
         stats.forward_passes += timing.steps
         stats.prefill_tokens += sum(len(it.rows) for it in batch)
         stats.tokens_generated += timing.tokens
         stats.first_token_s += [timing.first_token_s] * len(batch)
         return generations
+
+    def source_text(self, record: Record) -> str:
+        """The text a copy field may copy from: the record's fields the prompt shows, one per line."""
+        return "\n".join(str(record.fields.get(name, "")) for name in self.task.input_fields)
 
     def _result(self, item: WorkItem, generation: Generation) -> Extraction:
         return self.extraction_of(item.record.id, generation, item.boundary_fallback)
@@ -140,8 +168,10 @@ class Extractor(BoundTask):
         error = parsed.error
         if error is not None and generation.finish == "length":
             error += f" (stopped at max_new_tokens={self.generation.max_new_tokens})"
+        judged = self.policy.judge(parsed.fields, generation, self._token_bytes)
         return Extraction(
-            record_id, parsed.fields, generation.text, error, generation.token_ids, generation.finish, boundary_fallback,
+            record_id, judged.fields, generation.text, error, generation.token_ids, generation.finish, boundary_fallback,
+            judged.confidence, judged.flagged,
         )
 
     def _failed(self, item: WorkItem) -> Extraction:

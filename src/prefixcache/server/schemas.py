@@ -160,6 +160,10 @@ class ExtractResult(BaseModel):
     )
     raw: str | None = Field(description="The generated text (cut before a stop string).")
     error: str | None = Field(description="Why the output is not a JSON object with every declared field; null when it is.")
+    confidence: dict[str, float | None] | None = Field(
+        default=None, description="Per field, the probability of its value (a choice field's head's, when it has one)."
+    )
+    flagged: list[str] = Field(default_factory=list, description="Fields left null for being under their threshold.")
 
 
 class ExtractResponse(BaseModel):

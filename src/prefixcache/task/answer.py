@@ -1,8 +1,10 @@
 """The extraction answer format: how an example's answer is written, its JSON Schema, and how a generated
 answer is read back.
 
-An answer is one JSON object with the task's declared fields, in declared order, each a string or null
-(:func:`answer_schema` says so as a JSON Schema, which constrained decoding follows). This module knows
+An answer is one JSON object with the task's declared fields, in declared order, each valued as its kind
+says (:mod:`prefixcache.task.fields`: a string or null for ``text`` and ``copy``, one of the values for
+``choice``, a number or null, an ISO date or null; :func:`answer_schema` says so as a JSON Schema, which
+constrained decoding follows). This module knows
 nothing about models or tokens: only the declared field names and text.
 """
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .definition import ExtractTask
+from .fields import value_schema
 
 
 def answer_json(task: ExtractTask, values: Mapping[str, object]) -> str:
@@ -21,11 +24,11 @@ def answer_json(task: ExtractTask, values: Mapping[str, object]) -> str:
 
 
 def answer_schema(task: ExtractTask) -> dict:
-    """The JSON Schema of an answer: an object with exactly the declared fields, in declared order, each a
-    string or null. Every output decoded under it parses (:func:`parse_fields`) with every field present."""
+    """The JSON Schema of an answer: an object with exactly the declared fields, in declared order, each valued
+    as its kind says. Every output decoded under it parses (:func:`parse_fields`) with every field present."""
     return {
         "type": "object",
-        "properties": {name: {"type": ["string", "null"]} for name in task.fields},
+        "properties": {name: value_schema(decl) for name, decl in task.fields.items()},
         "required": list(task.fields),
         "additionalProperties": False,
     }

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import TaskError
+from .fields import FieldDecl, example_value_problems, located_value_problems
 from .yaml_source import compose_and_construct, line_of
 
 BUNDLED_PACKAGE = "prefixcache.tasks"
@@ -191,9 +192,9 @@ class FieldExample(BaseModel):
 class ExtractTask(BaseModel):
     """An extraction task (``kind: extract``): the model answers with one JSON object of the declared ``fields``.
 
-    Contract: ``fields`` (name -> description) is non-empty with clean names; every
-    example gives a value (possibly null) for exactly the declared fields;
-    ``input_template`` names at least one record field; ``stop`` strings are non-empty.
+    Contract: ``fields`` (name -> :class:`~prefixcache.task.fields.FieldDecl`; a plain description declares a
+    ``text`` field) is non-empty with clean names; every example gives a value (possibly null) for exactly the
+    declared fields, each fitting its kind; ``input_template`` names a record field; ``stop`` strings are non-empty.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -201,7 +202,7 @@ class ExtractTask(BaseModel):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     kind: Literal["extract"]
     instruction: str = Field(min_length=1)
-    fields: dict[str, str] = Field(min_length=1)
+    fields: dict[str, FieldDecl] = Field(min_length=1)
     examples: list[FieldExample] = Field(default_factory=list)
     input_template: str = "{text}"
     max_new_tokens: int = Field(default=64, ge=1, le=4096)
@@ -210,10 +211,9 @@ class ExtractTask(BaseModel):
 
     @field_validator("fields")
     @classmethod
-    def _field_names_are_clean(cls, fields: dict[str, str]) -> dict[str, str]:
-        for name in fields:
-            if not str(name).strip() or str(name) != str(name).strip():
-                raise ValueError(f"field name {name!r} is empty or has leading or trailing whitespace")
+    def _field_names_are_clean(cls, fields: dict[str, FieldDecl]) -> dict[str, FieldDecl]:
+        for name in (n for n in fields if not str(n).strip() or str(n) != str(n).strip()):
+            raise ValueError(f"field name {name!r} is empty or has leading or trailing whitespace")
         return fields
 
     @field_validator("input_template")
@@ -236,9 +236,19 @@ class ExtractTask(BaseModel):
             missing = [f for f in declared if f not in example.fields]
             extra = [f for f in example.fields if f not in declared]
             if missing or extra:
-                what = f"lacks {missing}" if missing else f"has undeclared {extra}"
-                raise ValueError(f"example {i} {what} (declared fields: {', '.join(declared)})")
+                raise ValueError(f"example {i} {f'lacks {missing}' if missing else f'has undeclared {extra}'} "
+                                 f"(declared fields: {', '.join(declared)})")
+        for _, problem in example_value_problems(info.data.get("fields") or {}, examples)[:1]:
+            raise ValueError(problem)
         return examples
+
+    def kind_of(self, name: str) -> str:
+        """The kind of declared field ``name``."""
+        return self.fields[name].kind
+
+    def names_of_kind(self, kind: str) -> list[str]:
+        """Declared fields of ``kind``, in declared order."""
+        return [name for name, decl in self.fields.items() if decl.kind == kind]
 
     @property
     def input_fields(self) -> list[str]:
@@ -294,6 +304,8 @@ def parse_task(
                 message = "unknown key (allowed: " + ", ".join(_allowed_keys(loc, model)) + ")"
             if not loc:  # a whole-model check: re-derive the precise locations
                 problems += _whole_task_problems(data) or [((), message)]
+            elif model is ExtractTask and loc == ("examples",):  # the same, for example values of the wrong kind
+                problems += located_value_problems(data, FieldExample) or [(loc, message)]
             else:
                 problems.append((loc, message))
         lines = []
@@ -329,7 +341,9 @@ def _task_model(data: dict, source: str, kinds: tuple[str, ...]) -> type[BaseMod
 
 def _allowed_keys(loc: tuple, model: type[BaseModel] = Task) -> list[str]:
     if model is not Task:
-        return list((FieldExample if "examples" in loc else model).model_fields)
+        if "examples" in loc:
+            return list(FieldExample.model_fields)
+        return list((FieldDecl if "fields" in loc else model).model_fields)
     if "examples" in loc or "example_pool" in loc:
         model = Example
     elif "select" in loc:

@@ -13,6 +13,7 @@ from .answer import answer_json
 from .prompt import SENTINEL, RecordSlot, split_at_sentinel, template_lead
 from .restart import Restart
 from .definition import ExtractTask
+from .fields import FieldDecl
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class ExtractPrompt(RecordSlot):
 
 def render_extract_messages(task: ExtractTask) -> list[dict[str, str]]:
     """Chat messages for ``task`` with :data:`~prefixcache.task.prompt.SENTINEL` in place of the record."""
-    declared = "\n".join(f"- {name}: {description}" for name, description in task.fields.items())
+    declared = "\n".join(f"- {name}: {_described(decl)}" for name, decl in task.fields.items())
     system = (
         f"{task.instruction.strip()}\n\nFields:\n{declared}\n\n"
         f"Answer with one JSON object with exactly these keys: {', '.join(task.fields)}. "
@@ -47,6 +48,13 @@ def render_extract_messages(task: ExtractTask) -> list[dict[str, str]]:
         messages += [{"role": "user", "content": filled}, {"role": "assistant", "content": answer}]
     messages.append({"role": "user", "content": _lead(task) + SENTINEL})
     return messages
+
+
+def _described(decl: FieldDecl) -> str:
+    """A field's line in the system message: its description, and a choice field's values."""
+    if decl.kind != "choice":
+        return decl.description
+    return f"{decl.description} (one of: {', '.join(decl.values or ())})"
 
 
 def _lead(task: ExtractTask) -> str:
