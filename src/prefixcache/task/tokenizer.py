@@ -6,16 +6,17 @@ pre-tokenizer, model, post-processor, decoder and added tokens), ``tokenizer_con
 tokens, added tokens missing from ``tokenizer.json``, the chat template), the older
 ``special_tokens_map.json``, ``chat_template.jinja`` (and ``chat_templates/*.jinja``) and
 ``generation_config.json`` (the end-of-sequence ids generation stops on). It prepares the backend as
-``AutoTokenizer`` prepares it for a folder with a ``tokenizer.json``: truncation and padding off, named
-special tokens that the file lacks added as special tokens, a post-processor that adds nothing when the
-file has none.
+``AutoTokenizer`` prepares it for a folder with a ``tokenizer.json``, call for call: truncation and padding
+off, the declared added tokens added again (which can change an existing token's flags) with the special
+tokens nobody holds, a post-processor that adds nothing when the file has none.
 
 :class:`LeanTokenizer` answers the part of transformers' tokenizer interface this package uses:
 ``tokenizer(texts, add_special_tokens=...)["input_ids"]``, ``encode``, ``decode``, ``convert_ids_to_tokens``,
 ``apply_chat_template``, ``chat_template``, ``backend_tokenizer``, the special tokens and their ids,
 ``len()`` and ``vocab_size``. ``tests/test_task_tokenizer.py`` holds each equal to ``AutoTokenizer``'s on
 the embedded model's tokenizer and on the test suite's tokenizers. Anything else (a slow, Python-only
-tokenizer; a folder without ``tokenizer.json``) stays with transformers (``model/load.py`` decides).
+tokenizer; a folder without ``tokenizer.json``; a model-specific tokenizer class: :func:`reads_verbatim`)
+stays with transformers (``model/load.py`` decides).
 
 This module knows nothing about models, tasks or prompts.
 """
