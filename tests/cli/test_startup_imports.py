@@ -16,8 +16,11 @@ from pathlib import Path
 
 import pytest
 
+
 from tests.support.models import save_tiny_model
 from tests.support.tasks import TASK_YAML
+
+pytestmark = pytest.mark.slow  # each test runs a fresh interpreter through a whole command
 
 ROOT = Path(__file__).resolve().parents[2]
 # Libraries a one-record classify has no use for (transformers: unless the model needs the fallback).

@@ -68,6 +68,29 @@ def _legacy(folder):
         "eos_token": {"content": "<|im_end|>", "lstrip": False, "rstrip": False, "normalized": False, "single_word": False}}))
 
 
+def _reflagged(folder):
+    """The config declares tokenizer.json's added tokens again with other flags (transformers re-adds them)."""
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {
+        "2": {"content": "<|im_end|>", "lstrip": False, "rstrip": True, "normalized": False, "single_word": False, "special": True},
+        "0": {"content": "<|endoftext|>", "lstrip": False, "rstrip": False, "normalized": False, "single_word": False, "special": False},
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def _plain_eos(folder, legacy: bool = False):
+    """tokenizer.json holds the eos token as a plain (not special) added token that strips on its left."""
+    serialized = json.loads((folder / "tokenizer.json").read_text())
+    for token in serialized["added_tokens"]:
+        if token["content"] == "<|im_end|>":
+            token.update(special=False, lstrip=True)
+    (folder / "tokenizer.json").write_text(json.dumps(serialized))
+    if legacy:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config.pop("added_tokens_decoder", None)
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
 def _no_post_processor(folder):
     serialized = json.loads((folder / "tokenizer.json").read_text())
     serialized["post_processor"] = None
@@ -95,6 +118,9 @@ VARIANTS = {
     "nfc": (_nfc, None),
     "configured": (None, _configured),
     "legacy": (None, _legacy),
+    "reflagged": (None, _reflagged),
+    "plain-eos": (None, _plain_eos),
+    "plain-eos-legacy": (None, lambda folder: _plain_eos(folder, legacy=True)),
     "no-post-processor": (None, _no_post_processor),
     "wordpiece": (None, None),
 }

@@ -6,16 +6,17 @@ pre-tokenizer, model, post-processor, decoder and added tokens), ``tokenizer_con
 tokens, added tokens missing from ``tokenizer.json``, the chat template), the older
 ``special_tokens_map.json``, ``chat_template.jinja`` (and ``chat_templates/*.jinja``) and
 ``generation_config.json`` (the end-of-sequence ids generation stops on). It prepares the backend as
-``AutoTokenizer`` prepares it for a folder with a ``tokenizer.json``: truncation and padding off, named
-special tokens that the file lacks added as special tokens, a post-processor that adds nothing when the
-file has none.
+``AutoTokenizer`` prepares it for a folder with a ``tokenizer.json``, call for call: truncation and padding
+off, the declared added tokens added again (which can change an existing token's flags) with the special
+tokens nobody holds, a post-processor that adds nothing when the file has none.
 
 :class:`LeanTokenizer` answers the part of transformers' tokenizer interface this package uses:
 ``tokenizer(texts, add_special_tokens=...)["input_ids"]``, ``encode``, ``decode``, ``convert_ids_to_tokens``,
 ``apply_chat_template``, ``chat_template``, ``backend_tokenizer``, the special tokens and their ids,
 ``len()`` and ``vocab_size``. ``tests/task/test_tokenizer.py`` holds each equal to ``AutoTokenizer``'s on
 the embedded model's tokenizer and on the test suite's tokenizers. Anything else (a slow, Python-only
-tokenizer; a folder without ``tokenizer.json``) stays with transformers (``model/load.py`` decides).
+tokenizer; a folder without ``tokenizer.json``; a model-specific tokenizer class: :func:`reads_verbatim`)
+stays with transformers (``model/load.py`` decides).
 
 This module knows nothing about models, tasks or prompts.
 """
@@ -256,7 +257,7 @@ def load_tokenizer(folder: str | Path) -> LeanTokenizer:
     folder = Path(folder)
     backend = Tokenizer.from_file(str(folder / TOKENIZER_FILE))
     config = _read_json(folder / "tokenizer_config.json")
-    special, extra = _special_tokens(config, folder)
+    special, extra, declared = _special_tokens(config, folder, backend)
     settings = TokenizerSettings(
         special={name: _content(token) for name, token in special.items()},
         extra_special=tuple(_content(token) for token in extra),
@@ -266,34 +267,41 @@ def load_tokenizer(folder: str | Path) -> LeanTokenizer:
         generation_eos_ids=_eos_ids(_read_json(folder / "generation_config.json").get("eos_token_id")),
         name_or_path=str(folder),
     )
-    _prepare_backend(backend, config, [*special.values(), *extra])
+    _prepare_backend(backend, declared, [*special.values(), *extra])
     return LeanTokenizer(backend, settings)
 
 
-def _prepare_backend(backend: Tokenizer, config: dict, special: list) -> None:
-    """What transformers does to a ``tokenizer.json`` backend on load: no truncation or padding; the
-    config's added tokens and every special token that the backend lacks added; a post-processor."""
+def _prepare_backend(backend: Tokenizer, declared: list[dict], special: list) -> None:
+    """What transformers 5 does to a ``tokenizer.json`` backend on load, call for call: truncation and padding
+    off; one ``add_tokens`` of every declared added token, in id order (the library may update an existing
+    token's flags), then of each special token that neither the backend nor the declared ones hold, a special
+    token's text marking its entry special; a post-processor that adds nothing when the file has none."""
     backend.no_truncation()
     backend.no_padding()
-    present = {token.content for token in backend.get_added_tokens_decoder().values()}
-    declared = sorted(((int(i), t) for i, t in config.get("added_tokens_decoder", {}).items()), key=lambda p: p[0])
-    missing = [_added(token) for _, token in declared if _content(token) not in present]
-    present |= {token.content for token in missing}
+    known = {token.content for token in backend.get_added_tokens_decoder().values()} | {t["content"] for t in declared}
+    queue = list(declared)
     for token in special:
-        if _content(token) not in present:
-            missing.append(_added(token, special=True))
-            present.add(_content(token))
-    if missing:
-        backend.add_tokens(missing)
+        if _content(token) not in known and token not in queue:
+            queue.append(token)
+    special_texts = {_content(token) for token in special}
+    if queue:
+        backend.add_tokens([_added(t, special=True if _content(t) in special_texts else None) for t in queue])
     if backend.post_processor is None:  # transformers installs one that adds nothing (no bos/eos here)
         backend.post_processor = TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
 
 
-def _special_tokens(config: dict, folder: Path) -> tuple[dict[str, Any], list[Any]]:
-    """Named special tokens (standard names first, then model-specific ``*_token`` names) and extra ones."""
+def _special_tokens(config: dict, folder: Path, backend: Tokenizer) -> tuple[dict[str, Any], list[Any], list[dict]]:
+    """Named special tokens (standard names first, then model-specific ``*_token`` names), extra special
+    tokens, and the declared added tokens (the config's ``added_tokens_decoder``; in the older layout without
+    one, ``tokenizer.json``'s own, with the special tokens in ``special_tokens_map.json``), in id order.
+    A token is its text or a dict of its ``AddedToken`` properties."""
     values = dict(config)
-    if "added_tokens_decoder" not in config:  # the older layout keeps them in special_tokens_map.json
-        values.update(_read_json(folder / "special_tokens_map.json"))
+    if "added_tokens_decoder" in config:
+        declared = [dict(token) for _, token in sorted(config["added_tokens_decoder"].items(), key=lambda p: int(p[0]))]
+    else:
+        for key, value in _read_json(folder / "special_tokens_map.json").items():
+            values[key] = {**value, "special": True} if isinstance(value, dict) else value
+        declared = [_properties(token) for _, token in sorted(backend.get_added_tokens_decoder().items())]
     extra = values.get("extra_special_tokens", values.get("additional_special_tokens")) or []
     named = {name: values[name] for name in SPECIAL_NAMES if values.get(name) is not None}
     model_specific = {
@@ -303,7 +311,7 @@ def _special_tokens(config: dict, folder: Path) -> tuple[dict[str, Any], list[An
     if isinstance(extra, dict):  # named extra tokens are model-specific names too
         model_specific.update(extra)
         extra = []
-    return {**named, **model_specific}, list(extra)
+    return {**named, **model_specific}, list(extra), declared
 
 
 def _chat_template(folder: Path, config: dict) -> str | dict[str, str] | None:
@@ -332,14 +340,21 @@ def _content(token: str | dict) -> str:
     return token["content"] if isinstance(token, dict) else str(token)
 
 
+_FLAGS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+
+
 def _added(token: str | dict, special: bool | None = None) -> AddedToken:
-    """An ``AddedToken`` from a config entry (text, or a dict of its properties)."""
+    """An ``AddedToken`` from a config entry (text, or a dict of its properties); ``special``: force the flag."""
     if isinstance(token, str):
         return AddedToken(token, special=bool(special), normalized=not special)
-    props = {k: v for k, v in token.items() if k in ("content", "single_word", "lstrip", "rstrip", "normalized", "special")}
+    props = {k: v for k, v in token.items() if k in _FLAGS}
     if special is not None:
         props["special"] = special
     return AddedToken(**props)
+
+
+def _properties(token: AddedToken) -> dict:
+    return {k: getattr(token, k) for k in _FLAGS}
 
 
 def _eos_ids(value) -> tuple[int, ...]:
