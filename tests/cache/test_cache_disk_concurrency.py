@@ -143,6 +143,7 @@ def test_a_file_deleted_by_another_process_is_a_miss_and_is_not_listed(tiny_llam
 # --- the hammer: real processes on one folder ----------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)  # about a minute of real processes; the mutation runs' 60 s per test is too short
 def test_four_processes_hammering_one_folder_lose_and_tear_nothing(tiny_llama, tmp_path):
     entries = [entry(tiny_llama, 100 + 25 * i, 100 + i) for i in range(9)]

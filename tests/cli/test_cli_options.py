@@ -78,6 +78,7 @@ BAD = {
     ("bench", "--label-field"): None,  # any name: it matters only to --head fit, which names a record without a gold label
     ("bench", "--full-items"): ("0", "--full-items", 2),
     ("bench", "--before-batch-size"): ("0", "--before-batch-size", 2),
+    ("bench", "--ray-workers"): ("0", "--ray-workers", 2),
     **{("serve", option): ANY[option] for option in ("--task", "--model", "--dtype", "--threads", "--method", "--cache-budget")},
     ("serve", "--host"): ("256.256.256.256", "cannot listen on 256.256.256.256", 2),
     ("serve", "--port"): ("70000", "--port", 2),

@@ -23,7 +23,7 @@ from prefixcache.task.selection import candidate_order, first_examples, normaliz
 from prefixcache.task.definition import parse_task
 
 from tests.support import paths
-from tests.support.models import save_tiny_model, tiny_loaded
+from tests.support.models import save_tiny_model
 from tests.support.tasks import LABELS, POOL_YAML, TASK_YAML, TEXTS
 
 REPORT_KEYS = {"records", "accuracy", "macro_f1", "per_label", "confusion"}
@@ -252,8 +252,8 @@ def test_parse_steps():
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return tiny_loaded("qwen2")
+def tiny(tiny_qwen2):
+    return tiny_qwen2
 
 
 def test_content_free_prior_is_the_mean_of_content_free_predictions(tiny, task):

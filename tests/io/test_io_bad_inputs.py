@@ -17,7 +17,7 @@ from prefixcache.scheduler.classify import Classifier, Record, RunConfig
 from prefixcache.eval.verify import compare
 
 from tests.support import paths
-from tests.support.models import tiny_loaded, save_tiny_model
+from tests.support.models import save_tiny_model
 from tests.support.tasks import TASK_YAML
 
 DATA = paths.DATA
@@ -65,8 +65,8 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return tiny_loaded("qwen2")
+def loaded(tiny_qwen2):
+    return tiny_qwen2
 
 
 @pytest.fixture(scope="module")
