@@ -24,11 +24,18 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_we
 
 @dataclass(frozen=True)
 class DecodeTiming:
-    """``steps`` greedy decode steps of ``batch`` rows: ``ms_per_step`` and ``tokens_per_s`` (all rows)."""
+    """``steps`` greedy decode steps of ``batch`` rows: ``ms_per_step`` and ``tokens_per_s`` (all rows), from wall
+    time; ``cpu_seconds`` is the process's CPU time over the same steps (on a shared machine, with one thread,
+    the steadier figure: time spent waiting for a core is not in it)."""
 
     batch: int
     steps: int
     seconds: float
+    cpu_seconds: float = 0.0
+
+    @property
+    def cpu_ms_per_step(self) -> float:
+        return 1000 * self.cpu_seconds / self.steps
 
     @property
     def ms_per_step(self) -> float:
@@ -79,10 +86,11 @@ def time_decode(model: torch.nn.Module, prefix: PrefixKV, rows: list[list[int]],
     """
     decoder = _Decoder(model, prefix, rows)
     decoder.step()  # warm-up
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for _ in range(steps):
         decoder.step()
-    return DecodeTiming(len(rows), steps, time.perf_counter() - started), decoder.generated()
+    timing = DecodeTiming(len(rows), steps, time.perf_counter() - started, time.process_time() - cpu_started)
+    return timing, decoder.generated()
 
 
 @dataclass(frozen=True)
