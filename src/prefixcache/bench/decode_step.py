@@ -6,7 +6,7 @@ an argmax), without stop strings, detokenizing or a grammar, so decoders and dty
 * :func:`profile_step`: one step under ``torch.profiler``, split into the weight matmuls (``aten::mm``,
   ``aten::addmm``, ``aten::_weight_int8pack_mm`` ...) and everything else.
 
-This module knows nothing about tasks or files; :mod:`scripts/lean_decode_bench.py` drives it.
+This module knows nothing about tasks or files; ``scripts/lean_decode_bench.py`` drives it.
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ class _Decoder:
 
 
 @torch.inference_mode()
-def time_decode(model: torch.nn.Module, prefix: PrefixKV, rows: list[list[int]], steps: int) -> tuple[DecodeTiming, list[list[int]]]:
+def time_decode(
+    model: torch.nn.Module, prefix: PrefixKV, rows: list[list[int]], steps: int
+) -> tuple[DecodeTiming, list[list[int]]]:
     """Prefill ``rows`` after ``prefix``, run one warm-up step, then time ``steps`` greedy steps.
 
     Returns the timing and every row's greedy tokens (for agreement between decoders and dtypes).
@@ -109,7 +111,9 @@ class StepProfile:
 
 
 @torch.inference_mode()
-def profile_step(model: torch.nn.Module, prefix: PrefixKV, row: list[int], steps: int = 5, top: int = 12) -> StepProfile:
+def profile_step(
+    model: torch.nn.Module, prefix: PrefixKV, row: list[int], steps: int = 5, top: int = 12
+) -> StepProfile:
     """Profile ``steps`` B=1 decode steps after a prefill and a warm-up; figures are per step."""
     from torch.profiler import ProfilerActivity, profile
 
