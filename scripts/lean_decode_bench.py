@@ -12,6 +12,7 @@ Optional levers: ``--int8`` (weight-only int8, per-channel scales, ``torch._weig
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import replace
 
@@ -101,11 +102,12 @@ def measure(args, dtype: str) -> list[tuple]:
     prefixes = [PrefixKV.build(model, prefix_ids) for _, model, _ in models]
     floor = max((decode_floor(models[0][1]) for _ in range(3)), key=lambda f: f.memory_read_gb_s)
     best, tokens = {}, {}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
+        print(f"{dtype}: round {round_ + 1} of {args.rounds}", file=sys.stderr, flush=True)
         for (name, model, _), prefix in zip(models, prefixes):
             for batch in (1, 8):
                 timing, generated = time_decode(model, prefix, rows[:batch], args.steps)
-                if (name, batch) not in best or timing.seconds < best[name, batch].seconds:
+                if (name, batch) not in best or timing.cpu_seconds < best[name, batch].cpu_seconds:
                     best[name, batch] = timing
                 tokens[name, batch] = generated
     profiles = {name: profile_step(model, prefix, rows[0], steps=3) for (name, model, _), prefix in zip(models, prefixes)}
@@ -128,25 +130,24 @@ def main() -> None:
     parser.add_argument("--int8", action="store_true")
     parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
-    rows, tables = [], []
+    print(f"{args.steps} steps per timing, best of {args.rounds} interleaved rounds by CPU time\n")
+    print("| dtype | decoder | B | ms/step | tokens/s | % of B=1 floor | CPU ms/step | greedy rows = transformers | "
+          "B=1 weight matmuls ms/step | B=1 outside matmuls |")
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    tables = []
     for dtype in args.dtypes:
         measured, prefix_len = measure(args, dtype)
-        rows.extend(measured)
-    print(f"prefix: {prefix_len} tokens (ticket-fields); {args.steps} steps per timing, best of {args.rounds} interleaved rounds\n")
-    print("| dtype | decoder | B | ms/step | tokens/s | % of B=1 floor | greedy rows = transformers | "
-          "B=1 weight matmuls ms/step | B=1 outside matmuls |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for dtype, name, batch, timing, floor, agree, prof in rows:
-        pct = f"{floor.pct(timing.tokens_per_s):.0f}%" if batch == 1 else "–"
-        split = f"{prof.matmul_ms:.1f} | {1 - prof.matmul_ms / prof.total_ms:.0%}" if batch == 1 else "– | –"
-        print(f"| {dtype} | {name} | {batch} | {timing.ms_per_step:.1f} | {timing.tokens_per_s:.1f} | {pct} | {agree:.0%} | "
-              f"{split} |")
-        if batch == 1:
-            tables.append((dtype, name, prof, floor))
-    for dtype, name, prof, floor in tables:
-        print(f"\n#### {dtype}, {name}: one B=1 step (profiled {prof.total_ms:.1f} ms, weight matmuls {prof.matmul_ms:.1f} ms;"
-              f" floor {floor.tokens_per_s:.0f} tokens/s = {floor.memory_read_gb_s:.1f} GB/s / {floor.weight_bytes / 1e6:.0f} MB)"
-              f"\n\n```\n{prof.table}```")
+        for _, name, batch, timing, floor, agree, prof in measured:
+            pct = f"{floor.pct(timing.tokens_per_s):.0f}%" if batch == 1 else "–"
+            split = f"{prof.matmul_ms:.1f} | {1 - prof.matmul_ms / prof.total_ms:.0%}" if batch == 1 else "– | –"
+            print(f"| {dtype} | {name} | {batch} | {timing.ms_per_step:.1f} | {timing.tokens_per_s:.1f} | {pct} | "
+                  f"{timing.cpu_ms_per_step:.1f} | {agree:.0%} | {split} |", flush=True)
+            if batch == 1:
+                tables.append((dtype, name, prof, floor, prefix_len))
+    for dtype, name, prof, floor, prefix_len in tables:
+        print(f"\n#### {dtype}, {name}: one B=1 step after the {prefix_len}-token prefix (profiled {prof.total_ms:.1f} ms,"
+              f" weight matmuls {prof.matmul_ms:.1f} ms; floor {floor.tokens_per_s:.0f} tokens/s = "
+              f"{floor.memory_read_gb_s:.1f} GB/s / {floor.weight_bytes / 1e6:.0f} MB)\n\n```\n{prof.table}```")
 
 
 if __name__ == "__main__":

@@ -114,3 +114,4 @@ def test_second_load_uses_the_converted_copy():
     # Not a timed assertion on speed: it only proves the GGUF path was skipped.
     assert loaded.identity.startswith("gguf:SmolLM2-135M-Instruct.Q4_1.gguf@sha256:")
     assert "quantization_config" not in loaded.model.config.to_dict(), f"reloaded the GGUF ({elapsed:.1f} s)"
+    assert loaded.decoder == "lean", "the embedded model (a Llama) is served by the lean decoder by default"

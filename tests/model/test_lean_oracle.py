@@ -115,7 +115,8 @@ def _tree_pass_agrees(oracle, lean, padded, prefix_len: int, seed: int) -> None:
     visible = torch.cat([seen[:, None, None, :].expand(batch, 1, 2, -1), tree[None, None].expand(batch, 1, 2, 2)], -1)
     nodes = torch.randint(1, VOCAB, (1, 2), generator=generator).expand(batch, 2)
     positions = (prefix_len + padded["lean"].lengths - 1)[:, None] + torch.tensor([1, 2])[None]
-    out = [forward_visible(m, padded[n].cache, nodes, positions, visible) for n, m in (("oracle", oracle), ("lean", lean))]
+    pairs = (("oracle", oracle), ("lean", lean))
+    out = [forward_visible(m, padded[n].cache, nodes, positions, visible) for n, m in pairs]
     close(head(lean, out[1]), head(oracle, out[0]), "a tree of label tokens (4-D mask)")
 
 

@@ -6,7 +6,7 @@ an argmax), without stop strings, detokenizing or a grammar, so decoders and dty
 * :func:`profile_step`: one step under ``torch.profiler``, split into the weight matmuls (``aten::mm``,
   ``aten::addmm``, ``aten::_weight_int8pack_mm`` ...) and everything else.
 
-This module knows nothing about tasks or files; :mod:`scripts/lean_decode_bench.py` drives it.
+This module knows nothing about tasks or files; ``scripts/lean_decode_bench.py`` drives it.
 """
 
 from __future__ import annotations
@@ -24,11 +24,18 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_we
 
 @dataclass(frozen=True)
 class DecodeTiming:
-    """``steps`` greedy decode steps of ``batch`` rows: ``ms_per_step`` and ``tokens_per_s`` (all rows)."""
+    """``steps`` greedy decode steps of ``batch`` rows: ``ms_per_step`` and ``tokens_per_s`` (all rows), from wall
+    time; ``cpu_seconds`` is the process's CPU time over the same steps (on a shared machine, with one thread,
+    the steadier figure: time spent waiting for a core is not in it)."""
 
     batch: int
     steps: int
     seconds: float
+    cpu_seconds: float = 0.0
+
+    @property
+    def cpu_ms_per_step(self) -> float:
+        return 1000 * self.cpu_seconds / self.steps
 
     @property
     def ms_per_step(self) -> float:
@@ -72,17 +79,20 @@ class _Decoder:
 
 
 @torch.inference_mode()
-def time_decode(model: torch.nn.Module, prefix: PrefixKV, rows: list[list[int]], steps: int) -> tuple[DecodeTiming, list[list[int]]]:
+def time_decode(
+    model: torch.nn.Module, prefix: PrefixKV, rows: list[list[int]], steps: int
+) -> tuple[DecodeTiming, list[list[int]]]:
     """Prefill ``rows`` after ``prefix``, run one warm-up step, then time ``steps`` greedy steps.
 
     Returns the timing and every row's greedy tokens (for agreement between decoders and dtypes).
     """
     decoder = _Decoder(model, prefix, rows)
     decoder.step()  # warm-up
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for _ in range(steps):
         decoder.step()
-    return DecodeTiming(len(rows), steps, time.perf_counter() - started), decoder.generated()
+    timing = DecodeTiming(len(rows), steps, time.perf_counter() - started, time.process_time() - cpu_started)
+    return timing, decoder.generated()
 
 
 @dataclass(frozen=True)
@@ -101,7 +111,9 @@ class StepProfile:
 
 
 @torch.inference_mode()
-def profile_step(model: torch.nn.Module, prefix: PrefixKV, row: list[int], steps: int = 5, top: int = 12) -> StepProfile:
+def profile_step(
+    model: torch.nn.Module, prefix: PrefixKV, row: list[int], steps: int = 5, top: int = 12
+) -> StepProfile:
     """Profile ``steps`` B=1 decode steps after a prefill and a warm-up; figures are per step."""
     from torch.profiler import ProfilerActivity, profile
 

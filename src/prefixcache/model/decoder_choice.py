@@ -31,7 +31,7 @@ def choose_decoder(source: str, decoder: str | None = None) -> str:
     """
     wanted = decoder or os.environ.get(DECODER_ENV) or "auto"
     if wanted not in DECODERS:
-        raise ModelNotFoundError(f"decoder must be one of {', '.join(DECODERS)} (from {DECODER_ENV} or --decoder), not {wanted!r}")
+        raise ModelNotFoundError(f"decoder must be one of {', '.join(DECODERS)} (decoder= or ${DECODER_ENV}), not {wanted!r}")
     if wanted == "transformers":
         return wanted
     folder = model_folder(source)

@@ -111,6 +111,10 @@ class LeanConfig:
             raw=raw,
         )
 
+    def to_dict(self) -> dict[str, Any]:
+        """The ``config.json`` this config was read from (a copy)."""
+        return dict(self.raw)
+
     def get_text_config(self, decoder: bool = True) -> LeanConfig:
         """The decoder's config: this one (the transformers spelling, so callers need not tell models apart)."""
         return self

@@ -85,13 +85,16 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(batch, width, -1))
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     """SDPA of ``q`` ``[B, h, T, d]`` over plain keys/values ``[B, kv, K, d]``; ``mask`` None means causal with
     the queries the last T of the K keys. Returns ``[B, h, T, d]``."""
     width, keys = q.shape[-2], k.shape[-2]
     causal = mask is None and width == keys and width > 1
     if mask is None and width != keys:
-        mask = torch.arange(keys, device=q.device)[None, :] <= torch.arange(keys - width, keys, device=q.device)[:, None]
+        queries = torch.arange(keys - width, keys, device=q.device)  # [T]: the queries' places among the keys
+        mask = torch.arange(keys, device=q.device)[None, :] <= queries[:, None]  # [T, K]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
 
 

@@ -93,7 +93,9 @@ def build_lean(config: LeanConfig, tensors: dict[str, torch.Tensor], eos_token_i
     return model
 
 
-def load_lean(folder: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> LeanForCausalLM:
+def load_lean(
+    folder: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> LeanForCausalLM:
     """Load the model in ``folder`` into the lean decoder, at ``dtype`` on ``device``.
 
     Raises:
