@@ -276,7 +276,7 @@ def banking(args):
     prompt = prompt_study(fs, y, pool, test)
     print("banking77 head:", json.dumps(row, default=str, indent=1))
     print("banking77 prompt:", json.dumps(prompt, default=str, indent=1))
-    budgets = [154, 231, 308, 385, 462]
+    budgets = [154, 231, 308, 385, 462, 539, 616, 770]
     sim = simulate(fs, y, pool, test, ("random", "uncertain", "margin", "diverse"), budgets, (0, 1, 2))
     table = {f"{s} @ {b}": (float(np.mean(v)), float(np.std(v))) for (s, b), v in sim.items()}
     print("suggest simulation:", json.dumps(table, indent=1))

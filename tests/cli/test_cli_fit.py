@@ -52,19 +52,23 @@ def fitted(tmp_path_factory, model_dir):
     held = _write_jsonl(folder / "held.jsonl", *separable_rows(30, seed=2))
     head = folder / "tiny.head.safetensors"
     result = _invoke("fit", train, "--task", task_file, "--model", model_dir, "--dtype", "float32", "--id-field", "id",
-                     "--feature", FEATURE, "--folds", "3", "--out", head)  # 3: a non-default count the manifest must keep
+                     "--feature", FEATURE, "--folds", "3", "--out", head,  # 3: a non-default count the manifest must keep
+                     "--plot", folder / "fit.png")
     assert result.exit_code == 0, result.output
-    return {"task": task_file, "train": train, "held": held, "head": head, "fit_output": result.output}
+    return {"task": task_file, "train": train, "held": held, "head": head, "fit_output": result.output, "folder": folder}
 
 
 def test_fit_prints_the_cross_validated_report_and_writes_the_head(fitted):
     output = fitted["fit_output"]
-    for piece in ("per label", "confusion", "head (CV)", "prompt (first-token)", "C tried"):
+    for piece in ("per label", "confusion", "head (CV)", "prompt (first-token)", "C tried", "coverage at 90% accuracy",
+                  "calibration error"):
         assert piece in output, f"{piece!r} missing from fit's report:\n{output}"
     head = load_head(fitted["head"])
     assert head.labels == ("billing", "technical", "account") and head.feature == FEATURE
     assert head.manifest["training"]["rows"] == 90 and head.manifest["cv"]["folds"] == 3
     assert head.manifest["cv"]["accuracy"] >= 0.95 > head.manifest["cv"]["prompt_accuracy"]
+    assert len(head.manifest["oof"]["correct"]) == 90 and "calibration" in head.manifest
+    assert (fitted["folder"] / "fit.trust.png").stat().st_size > 1000, "the out-of-fold reliability diagram"
     assert head.manifest["task"] == "tiny-tickets"
 
 

@@ -175,6 +175,12 @@ def _report(result, features, points, task, loaded, batch_size: int, ms_per_item
 
     if evaluated is not None:
         err.print(f"wrote {plot_confusion(evaluated, plot, title(evaluated) + ' | cross-validated')}")
+    if result.oof_confidence is not None:
+        from ..eval.selective import plot_trust
+
+        trust_path = plot_trust(result.oof_confidence, result.oof_correct, plot.with_suffix(".trust.png"),
+                                f"{task.name} | out-of-fold, temperature {result.calibration.temperature:.3f}")
+        err.print(f"wrote {trust_path}")
     if points:
         curve_path = plot.with_suffix(".curve.png")
         err.print(f"wrote {plot_curve(points, curve_path, f'{task.name} | {features.model_identity}', len(features.labels))}")
