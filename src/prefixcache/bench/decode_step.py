@@ -6,7 +6,7 @@ an argmax), without stop strings, detokenizing or a grammar, so decoders and dty
 * :func:`profile_step`: one step under ``torch.profiler``, split into the weight matmuls (``aten::mm``,
   ``aten::addmm``, ``aten::_weight_int8pack_mm`` ...) and everything else.
 
-This module knows nothing about tasks or files; ``scripts/lean_decode_bench.py`` drives it.
+This module knows nothing about tasks or files; ``studies/lean_decode_bench.py`` drives it.
 """
 
 from __future__ import annotations

@@ -61,10 +61,8 @@ def eval_(
         extractor = setup_extractor(task, model, dtype, threads, None)
         extractor.policy = field_policy(extractor, field_head, None)
         return eval_extraction(extractor, records, batch_size, target_accuracy, min_confidence, as_json, plot)
-    for option, given in (("--field-head", field_head), ("--min-confidence", min_confidence),
-                          ("--target-accuracy", target_accuracy)):
-        if given:
-            raise typer.BadParameter("applies to an extraction task's fields only", param_hint=option)
+    _refuse_field_options(("--field-head", field_head), ("--min-confidence", min_confidence),
+                          ("--target-accuracy", target_accuracy))
     plan = plan_eval(load_task(task), records, label_field, steps, seed, head)
     classifier = setup_classifier(task, model, dtype, threads, method, head=plan.head)
     neutral = tuple(content_free) if content_free else CONTENT_FREE if calibrate else None
@@ -77,3 +75,10 @@ def eval_(
 
     results = run_eval(classifier.loaded, plan, batch_size, method, neutral, on_result=progress)
     emit(results, plan.sweep, as_json, plot, out, err)
+
+
+def _refuse_field_options(*given: tuple[str, object]) -> None:
+    """A classification task's eval refuses the options that only an extraction task's fields take."""
+    for option, value in given:
+        if value:
+            raise typer.BadParameter("applies to an extraction task's fields only", param_hint=option)

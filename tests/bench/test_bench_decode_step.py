@@ -9,7 +9,7 @@ from prefixcache.bench.decode_step import profile_step, time_decode
 from prefixcache.cache.kv import PrefixKV
 from prefixcache.engine.generate import GenerationConfig, generate_rows
 
-from conftest import tiny_loaded
+from tests.support.models import tiny_loaded
 
 ROWS = [[30, 31, 32], [33], [34, 35]]
 

@@ -1,9 +1,10 @@
+# Study behind docs/accuracy.md, "Confidence you can act on" (the cached features its tables read).
 """Collect the embedded model's features for the trust study (issue 38): one ``.npz`` per (data set, chunk).
 
 Resumable: a chunk already on disk is skipped. Rows are the held-out design of docs/accuracy.md,
 scaled down to what 2 shared cores finish in minutes (see ``JOBS``). Run with ``nice``:
 
-    PYTHONPATH=src nice -n 5 .venv/bin/python scripts/trust_features.py [--cache /tmp/trust_cache]
+    PYTHONPATH=src nice -n 5 .venv/bin/python studies/trust_features.py [--cache /tmp/trust_cache]
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
+# Study behind docs/benchmarks.md, "Start-up" (its wall-time table).
 """Start-up wall times of prefixcache, for two source trees side by side (each command a fresh interpreter).
 
     git archive main src | tar -x -C /tmp/before        # the tree to compare against
-    python scripts/startup_bench.py --before /tmp/before/src --after src --runs 3
+    python studies/startup_bench.py --before /tmp/before/src --after src --runs 3
 
 Runs every command ``--runs`` times per tree, the trees alternating (so drift in the machine's load falls
 on both), and prints a Markdown table of the medians: ``import prefixcache.engine``, the engine modules a

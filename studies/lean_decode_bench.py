@@ -1,3 +1,4 @@
+# Study behind docs/benchmarks.md, "Lean decoder" (its decode-step tables).
 """Lean decoder vs transformers: greedy decode steps on the embedded model after the ticket-fields prefix.
 
 For each dtype, both decoders side by side in one run: B=1 and B=8 tokens/s and ms per step, the share of the
@@ -6,7 +7,7 @@ transformers decoder, and a torch.profiler split of one B=1 step (weight matmuls
 Optional levers: ``--int8`` (weight-only int8, per-channel scales, ``torch._weight_int8pack_mm``) and
 ``--compile`` (``torch.compile`` of the lean decoder stack).
 
-    PYTHONPATH=src python scripts/lean_decode_bench.py --steps 32 --int8 > lean.md
+    PYTHONPATH=src python studies/lean_decode_bench.py --steps 32 --int8 > lean.md
 """
 
 from __future__ import annotations

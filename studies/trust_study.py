@@ -1,7 +1,8 @@
+# Study behind docs/accuracy.md, "Confidence you can act on" (its tables and plots).
 """The trust measurements behind docs/accuracy.md ("Confidence you can act on"), on features that
-``scripts/trust_features.py`` cached (held-out rows only; nothing here runs the model).
+``studies/trust_features.py`` cached (held-out rows only; nothing here runs the model).
 
-    PYTHONPATH=src .venv/bin/python scripts/trust_study.py [--cache /tmp/trust_cache] [--plots docs/img]
+    PYTHONPATH=src .venv/bin/python studies/trust_study.py [--cache /tmp/trust_cache] [--plots docs/img]
 
 Prints markdown tables: calibration error before and after (temperature, and the alternatives measured),
 selective accuracy, the ``suggest`` simulation on banking77, and the cost of the output writers.
