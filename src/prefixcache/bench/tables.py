@@ -82,12 +82,12 @@ def agreement(mode: dict) -> str:
 
 
 def lane_agreement(mode: dict) -> str:
-    """:func:`agreement` against the lane's reference; "the reference" for the reference itself; "–" where the
-    reference scores otherwise (a head lane against a prompt lane: nothing to agree with)."""
+    """:func:`agreement` against the lane's reference (``full`` float32 unless the lane names another); "the
+    reference" for that lane itself; "–" where the reference scores otherwise (a head lane against a prompt lane)."""
     ref = mode.get("reference", "full")
     if ref == mode["mode"] and mode["max_abs_logprob_diff"] == 0:
         return "the reference"
-    if ref == mode["mode"] or ("+head" in ref) != ("+head" in mode["mode"]):
+    if ("+head" in ref) != ("+head" in mode["mode"]):
         return "–"
     return agreement(mode)
 
@@ -272,12 +272,19 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     root = Path(args[args.index("--root") + 1]) if "--root" in args else Path.cwd()
     if "--write" in args:
+        failed = 0
         for path in documents(root):
             text = path.read_text()
-            if BLOCK.search(text) and refresh(text, root) != text:
-                path.write_text(refresh(text, root))
+            try:
+                fresh = refresh(text, root)
+            except (OSError, ValueError, KeyError) as exc:
+                print(f"{path.relative_to(root)}: not rewritten: {exc!r}")
+                failed = 1
+                continue
+            if fresh != text:
+                path.write_text(fresh)
                 print(f"rewrote {path.relative_to(root)}")
-        return 0
+        return failed
     stale = stale_blocks(root)
     for b in stale:
         print(f"{b.path}: table '{b.spec}' differs from its JSON (make tables rewrites it)")

@@ -4,7 +4,7 @@
 
     {"cpu": "AMD EPYC", "cores": 2, "flags": ["avx2", "avx512_bf16", ...], "gpu": null,
      "dtype": "bfloat16", "threads": 2, "torch": "2.13.0", "os": "Linux 6.8 x86_64",
-     "command": "prefixcache bench --items 120 --json docs/bench/figures/bench.json"}
+     "command": "prefixcache bench --items 120 --json docs/bench/figures/bench.json", "load_average": [1.2, 0.9, 0.5]}
 
 ``flags`` keeps only the CPU flags that decide what a run gets (:data:`NOTABLE_FLAGS`); ``dtype`` is the run's
 dtype as the caller resolved it. :func:`machine_caption` is the one-line form the docs' tables are captioned with.
@@ -72,7 +72,8 @@ def command_line(argv: list[str] | None = None) -> str:
 
 def machine_info(dtype: str, threads: int | None = None) -> dict:
     """This machine, for a ``--json`` document: CPU model, usable cores, notable flags, GPU, the run's ``dtype``
-    and torch ``threads`` (default: torch's current count), torch's version and the OS."""
+    and torch ``threads`` (default: torch's current count), torch's version, the OS, the command, and the 1/5/15
+    minute load averages when the document is written (a figure from a shared machine means little without them)."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -87,6 +88,7 @@ def machine_info(dtype: str, threads: int | None = None) -> dict:
         "torch": torch.__version__,
         "os": f"{platform.system()} {platform.release()} {platform.machine()}",
         "command": command_line(),
+        "load_average": [round(x, 1) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
 
 
@@ -105,6 +107,8 @@ def machine_caption(machine: dict) -> str:
     parts = [machine_name(machine), f"run dtype {machine.get('dtype', '?')}"]
     if machine.get("torch"):
         parts.append(f"torch {machine['torch']}")
+    if machine.get("load_average"):
+        parts.append(f"load average {machine['load_average'][1]:g} over the last 5 minutes when written")
     if machine.get("note"):
         parts.append(machine["note"])
     return "; ".join(parts)
