@@ -66,7 +66,7 @@ def bench(
         full_items=full_items, before_batch_size=before_batch_size,
     )
     quiet_transformers()
-    report, document = run_bench(options, log=lambda line: err.print(line, highlight=False))
+    report, document = run_bench(options, log=lambda line: err.print(line, highlight=False, markup=False))
     out.print(timing_table(report.results, document_title(document)))
     if json_path:
         json_path.write_text(json.dumps(document, indent=2))
