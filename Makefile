@@ -65,10 +65,11 @@ figures: install
 	$(BIN)/prefixcache demo --json $(FIG)/demo.json
 	$(BIN)/prefixcache bench --items 120 --json $(FIG)/bench.json --plot docs/img/bench-figures.png
 	$(BIN)/prefixcache bench --items 128 --sweep-prefix --no-llama-cpp --json $(FIG)/sweep.json
+	# the README quick start's fit and eval, with --json (the head file itself is not committed)
 	$(BIN)/prefixcache fit src/prefixcache/datasets/support_tickets.jsonl --task support-tickets --label-field label \
-	  --dtype float32 --out $(FIG)/tickets.head.safetensors
-	$(BIN)/prefixcache eval tests/data/handwritten_tickets.jsonl --task support-tickets --dtype float32 --json > $(FIG)/eval-prompt.json
-	$(BIN)/prefixcache eval tests/data/handwritten_tickets.jsonl --task support-tickets --dtype float32 \
+	  --out $(FIG)/tickets.head.safetensors
+	$(BIN)/prefixcache eval tests/data/handwritten_tickets.jsonl --task support-tickets --label-field label --json > $(FIG)/eval-prompt.json
+	$(BIN)/prefixcache eval tests/data/handwritten_tickets.jsonl --task support-tickets --label-field label \
 	  --head $(FIG)/tickets.head.safetensors --json > $(FIG)/eval-head.json
 	$(MAKE) tables
 

@@ -11,7 +11,9 @@ in the background with ``&`` is stopped when the script ends, however it ends. E
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -42,12 +44,20 @@ def main() -> int:
     parser.add_argument("--list", action="store_true", help="print the script that --run runs")
     parser.add_argument("--readme", default=str(ROOT / "README.md"))
     parser.add_argument("--python", default=".venv/bin/python", help="the interpreter of python blocks")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds before the run is stopped (a server that never starts)")
     args = parser.parse_args()
     script = as_script(marked_blocks(Path(args.readme).read_text()), args.python)
     if not args.run:
         print(script)
         return 0
-    return subprocess.run(["bash", "-c", script], cwd=ROOT).returncode
+    shell = subprocess.Popen(["bash", "-c", script], cwd=ROOT, start_new_session=True)
+    try:
+        return shell.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(shell.pid, signal.SIGTERM)  # its own process group: the shell and the server it started
+        shell.wait()
+        print(f"the quick start did not finish in {args.timeout:g} s", file=sys.stderr)
+        return 124
 
 
 if __name__ == "__main__":

@@ -129,3 +129,15 @@ def test_an_unknown_kind_or_a_missing_json_is_refused():
         tables.render("modes", ROOT)
     with pytest.raises(OSError):
         tables.render("modes docs/bench/none.json", ROOT)
+
+
+def test_the_demo_table_shows_each_timed_mode_and_the_heads_figures():
+    lane = {"batch_size": 1, "ms_per_item": 300.0, "speedup_vs_full": 1.0, "label_agreement": 1.0, "records": 60}
+    doc = {"machine": {"cpu": "AMD EPYC", "cores": 2, "flags": ["avx2"], "dtype": "float32"}, "model": "m",
+           "prefix_tokens": 609, "dtype": "torch.bfloat16", "accuracy": 0.523, "records": 600,
+           "timing": [{**lane, "mode": "full"}, {**lane, "mode": "batched", "batch_size": 32, "ms_per_item": 20.0,
+                                                   "speedup_vs_full": 15.0, "label_agreement": 59 / 60}],
+           "fitted_head": {"fitted_rows": 300, "scored_rows": 298, "prompt_accuracy": 0.5, "head_accuracy": 0.97}}
+    table = tables.demo_table(doc)
+    assert "| full | 1 | 300.0 | 1.0x | 60/60 |" in table and "| batched | 32 | 20.0 | 15.0x | 59/60 |" in table
+    assert "bfloat16: 52.3%" in table and "prompt 50.0% -> head 97.0%" in table and "2-core AMD EPYC, AVX2 only" in table

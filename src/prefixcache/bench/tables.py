@@ -195,7 +195,7 @@ def demo_table(doc: dict) -> str:
              f"{doc['dtype'].removeprefix('torch.')}: {100 * doc['accuracy']:.1f}%")
     if head:
         facts += (f"; fitted head on {head['fitted_rows']} tickets, scored on the other {head['scored_rows']}: "
-                  f"prompt {100 * head['prompt']['accuracy']:.1f}% -> head {100 * head['head']['accuracy']:.1f}%")
+                  f"prompt {100 * head['prompt_accuracy']:.1f}% -> head {100 * head['head_accuracy']:.1f}%")
     header = ["mode (float32)", "B", "ms / ticket", "x full", "labels equal to full"]
     return md_table(header, rows) + caption(doc, facts)
 
