@@ -57,13 +57,15 @@ quickstart: install
 	$(BIN)/python scripts/readme_commands.py --run
 
 # Every figure in the README and the docs' summary tables comes from a JSON under docs/bench/ (tables.py renders
-# them). `make figures` re-runs the ones this machine can make, into docs/bench/figures/, and re-renders the tables;
+# them). `make figures` re-runs the README's own (this 2-core AVX512-BF16 EPYC's), and re-renders the tables;
 # JSONs from other machines (the H200, the AMX Xeon) stay as they are, their machine named in each.
 # Slow (about half an hour on 2 cores); run it on a quiet machine.
 FIG := docs/bench/figures
 figures: install
 	$(BIN)/prefixcache demo --json $(FIG)/demo.json
-	$(BIN)/prefixcache bench --items 120 --json $(FIG)/bench.json --plot docs/img/bench-figures.png
+	# the README's speed tables; the file is named for the CPU kind it was measured on (a 2-core AMD EPYC with
+	# AVX512-BF16, no AMX): on another kind, write another file and point the README's tables at it
+	$(BIN)/prefixcache bench --items 120 --json docs/bench/smollm2-avx512bf16.json --plot docs/img/bench-smollm2-avx512bf16.png
 	$(BIN)/prefixcache bench --items 128 --sweep-prefix --no-llama-cpp --json $(FIG)/sweep.json
 	# the README quick start's fit and eval, with --json (the head file itself is not committed)
 	$(BIN)/prefixcache fit src/prefixcache/datasets/support_tickets.jsonl --task support-tickets --label-field label \

@@ -249,9 +249,20 @@ def blocks(text: str, path: str, root: Path) -> list[Block]:
     return [Block(path, m["spec"], m["body"], render(m["spec"], root)) for m in BLOCK.finditer(text)]
 
 
-def refresh(text: str, root: Path) -> str:
-    """``text`` with every marked table's body rendered again from its JSON."""
-    return BLOCK.sub(lambda m: m[1] + render(m["spec"], root) + m[4], text)
+def refresh(text: str, root: Path, failed: list | None = None) -> str:
+    """``text`` with every marked table's body rendered again from its JSON. With a ``failed`` list, a table whose
+    JSON cannot be read or rendered is left as it is and ``(spec, error)`` appended; without one, the error rises."""
+
+    def fill(m: re.Match) -> str:
+        try:
+            return m[1] + render(m["spec"], root) + m[4]
+        except (OSError, ValueError, KeyError) as exc:
+            if failed is None:
+                raise
+            failed.append((m["spec"], exc))
+            return m[0]
+
+    return BLOCK.sub(fill, text)
 
 
 def documents(root: Path) -> list[Path]:
@@ -272,19 +283,16 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     root = Path(args[args.index("--root") + 1]) if "--root" in args else Path.cwd()
     if "--write" in args:
-        failed = 0
+        failed = []
         for path in documents(root):
             text = path.read_text()
-            try:
-                fresh = refresh(text, root)
-            except (OSError, ValueError, KeyError) as exc:
-                print(f"{path.relative_to(root)}: not rewritten: {exc!r}")
-                failed = 1
-                continue
+            fresh = refresh(text, root, failed)
             if fresh != text:
                 path.write_text(fresh)
                 print(f"rewrote {path.relative_to(root)}")
-        return failed
+        for spec, exc in failed:
+            print(f"not rendered (left as it was): {spec}: {exc!r}")
+        return 1 if failed else 0
     stale = stale_blocks(root)
     for b in stale:
         print(f"{b.path}: table '{b.spec}' differs from its JSON (make tables rewrites it)")
