@@ -15,8 +15,7 @@ A table sits between two marker comments in a markdown file::
 (``make tables``) rewrites the README and ``docs/*.md`` in place; ``--check`` exits 1 when one is stale.
 
 Kinds (every JSON is one command's output; its caption says which machine): ``modes`` (every lane of a
-``bench`` run), ``lanes`` (the README's short form of one), ``million`` (a million records at each lane's
-ms/record), ``sweep`` (``bench --sweep-prefix``), ``labels`` (the many-label floor), ``demo`` (``demo --json``),
+``bench`` run), ``lanes`` (the README's short form of one), ``sweep`` (``bench --sweep-prefix``), ``labels`` (the many-label floor), ``demo`` (``demo --json``),
 ``loadtest`` (``scripts/loadtest.py --json``), ``accuracy`` (pairs of ``eval --json``: the prompt, then a head),
 ``machines`` (several ``bench`` runs, one row per machine).
 """
@@ -158,13 +157,6 @@ def duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
 
-def million_table(doc: dict) -> str:
-    """A million records at each lane's measured ms/record (one process, this run's machine and threads)."""
-    rows = [[f"{m['mode']} ({m['dtype']}, B = {m['batch_size']})", ms(m["ms_per_item"]), duration(m["ms_per_item"] * 1000)]
-            for m in doc["modes"]]
-    return md_table(["lane", "ms / record", "a million records"], rows) + caption(doc, run_facts(doc))
-
-
 def sweep_table(doc: dict) -> str:
     rows = [[str(p["prefix_tokens"]), ms(p["full_ms_per_item"]), ms(p["batched_ms_per_item"]), f"{p['speedup']:.0f}x"]
             for p in doc["sweep"]]
@@ -210,18 +202,22 @@ def loadtest_table(doc: dict) -> str:
 
 def accuracy_table(docs: list[dict]) -> str:
     """Pairs of ``eval --json`` documents: the prompt alone, then the same rows through a fitted head."""
-    rows = []
+    rows, commands = [], []
     for prompt, head in zip(docs[::2], docs[1::2]):
-        rows.append([f"{prompt['task']}, {prompt['records']} records", f"{100 * prompt['accuracy']:.1f}%",
+        words = prompt.get("machine", {}).get("command", "").split()
+        source = f"`{words[2]}`, " if len(words) > 2 and words[1] == "eval" else ""
+        rows.append([f"{prompt['task']}: {source}{prompt['records']} records", f"{100 * prompt['accuracy']:.1f}%",
                      f"{100 * head['accuracy']:.1f}%", f"{head['macro_f1']:.3f}"])
+        commands += [f"`{d['machine']['command']}`" for d in (prompt, head) if d.get("machine", {}).get("command")]
     first = docs[0]
-    facts = f"{first['model']}, run dtype {first['dtype']}"
-    return md_table(["data", "prompt alone", "fitted head", "head macro-F1"], rows) + caption(first, facts)
+    facts = f"{first['model']}, run dtype {first['dtype']}; the commands, prompt then head: {', '.join(commands)}"
+    bare = {**first, "machine": {k: v for k, v in first.get("machine", {}).items() if k != "command"}}
+    return md_table(["data", "prompt alone", "fitted head", "head macro-F1"], rows) + caption(bare, facts)
 
 
 MULTI: dict[str, Callable] = {"accuracy": accuracy_table, "machines": machines_table}
 KINDS: dict[str, Callable] = {
-    "modes": modes_table, "lanes": lanes_table, "million": million_table, "sweep": sweep_table,
+    "modes": modes_table, "lanes": lanes_table, "sweep": sweep_table,
     "labels": labels_table, "demo": demo_table, "loadtest": loadtest_table,
 }
 
