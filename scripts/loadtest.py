@@ -481,7 +481,9 @@ def report(lanes: list[Lane], args, ceiling: Ceiling) -> bool:
     print("PASS" if ok else "FAIL")
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as fh:
-            json.dump({"ratio": ratio, "engine_ceiling": ceiling.ratio, "arithmetic_bound": ceiling.bound,
+            from prefixcache.model.machine import machine_info  # torch: only once the figures are in
+
+            json.dump({"machine": machine_info(ceiling.dtype, args.threads), "ratio": ratio, "engine_ceiling": ceiling.ratio, "arithmetic_bound": ceiling.bound,
                        "engine_one_ms": ceiling.one_ms, "engine_batched_ms": ceiling.batched_ms, "cpus": os.cpu_count(), "load_average_end": os.getloadavg(), "errors": errors, "near_ties": near, "max_prob_diff": diff, "lanes": [
                 {"name": lane.name, "max_batch": lane.max_batch, "items": lane.items, "seconds": lane.seconds,
                  "items_per_second": lane.items_per_second, "p50_ms": lane.percentile(0.5), "p99_ms": lane.percentile(0.99),

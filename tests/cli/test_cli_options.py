@@ -93,6 +93,8 @@ BAD = {
     ("serve", "--max-prefix-tokens"): ("0", "--max-prefix-tokens", 2),
     **{("serve", option): ("0", option, 2) for option in ("--max-task-bytes", "--max-labels", "--max-examples", "--max-tasks")},
     ("serve", "--log-level"): ("loud", "--log-level must be one of", 2),
+    ("serve", "--head"): ("/nonexistent-folder/head.safetensors", "does not exist", 2),
+    ("demo", "--json"): (f"{NOWHERE}/demo.json", "is not a folder", 2),
     **{(command, "--head"): ("/nonexistent-folder/head.safetensors", "does not exist", 2)
        for command in ("classify", "verify", "eval")},
     **{("fit", option): ANY[option] for option in ("input", "--task", "--model", "--dtype", "--threads", "--batch-size",

@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from ..model.machine import machine_info
 from ..model.load import LoadedModel, load_model, load_random_model, resolve_device, resolve_dtype, set_threads
 from ..engine.head_file import load_head
 from ..errors import InputError, setting
@@ -88,6 +89,14 @@ def check_head_options(options: BenchOptions, records: list) -> None:
 
 
 def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> tuple[BenchReport, dict]:
+    """Run every lane on the workload and return the report plus the JSON document, whose ``machine`` names
+    this machine (:func:`prefixcache.model.machine.machine_info`) at the document's run dtype and threads."""
+    report, document = run_workload(options, log)
+    document["machine"] = machine_info(document["dtype"], document["threads"])
+    return report, document
+
+
+def run_workload(options: BenchOptions, log: Callable[[str], None]) -> tuple[BenchReport, dict]:
     """Run every lane on the workload and return the report plus the JSON document.
 
     An extraction task (``kind: extract``) runs :func:`prefixcache.bench.extract_lanes.run_extract_bench` instead,

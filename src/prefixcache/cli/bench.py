@@ -73,7 +73,7 @@ def bench(
     quiet_transformers()
     if ray_workers:
         return ray_lane(options, tuple(ray_workers))
-    report, document = run_bench(options, log=lambda line: err.print(line, highlight=False))
+    report, document = run_bench(options, log=lambda line: err.print(line, highlight=False, markup=False))
     out.print(timing_table(report.results, document_title(document)))
     if json_path:
         json_path.write_text(json.dumps(document, indent=2))

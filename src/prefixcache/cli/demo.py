@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 
 from ..types import DEFAULT_TASK, Mode, RunConfig, RunStats
-from .errors import reported, err, out
+from .errors import reported, err, out, output_path
 from .demo_head import fitted_head_section
 from .loading import load, setup_classifier
 from .options import BatchOpt, DtypeOpt, ModelOpt, ThreadsOpt
@@ -34,6 +34,9 @@ def demo(
     out_dir: Path = typer.Option(Path("prefixcache-out"), "--out-dir", help="Where the results folder is made."),
     pool: bool = typer.Option(False, "--pool", help="Instead: five tasks through a prefix pool whose budget holds "
                               "three (policies, disk tier, int8 storage); --subset tickets in its label checks."),
+    json_path: Optional[Path] = typer.Option(
+        None, "--json", help="Also write the summary (with the machine it ran on) here, e.g. docs/bench/demo.json."
+    ),
 ):
     """Classify the 600 bundled support tickets, print accuracy and a full/cached/batched timing table."""
     if pool:
@@ -43,8 +46,12 @@ def demo(
         return
     if out_dir.exists() and not out_dir.is_dir():
         raise typer.BadParameter(f"{out_dir} is a file; name a folder", param_hint="--out-dir")
+    output_path(json_path, "--json")
     classifier = setup_classifier(DEFAULT_TASK, model, dtype, threads, "auto")
-    run_demo(classifier, batch_size, subset, out_dir, out, err)
+    folder = run_demo(classifier, batch_size, subset, out_dir, out, err)
+    if json_path:
+        json_path.write_text((folder / "summary.json").read_text())
+        err.print(f"wrote {json_path}")
 
 
 def float32_twin(classifier):
@@ -63,6 +70,7 @@ def run_demo(classifier, batch_size: int, subset: int, out_dir: Path, out: Conso
     """Classify the bundled tickets, time the three modes on a subset, and write everything to a new folder."""
     from ..bench.lanes import compare_modes
     from ..io import records as data
+    from ..model.machine import machine_info
 
     rows = list(data.read_rows(data.bundled_dataset()))
     records = list(data.to_records(rows, id_field="id"))
@@ -90,6 +98,7 @@ def run_demo(classifier, batch_size: int, subset: int, out_dir: Path, out: Conso
     out.print(f"labels equal to full re-encoding: [bold]{same}/{subset}[/] in every mode")
 
     summary = {
+        "machine": machine_info(str(classifier.loaded.dtype).removeprefix("torch.")),
         "model": classifier.loaded.identity,
         "dtype": str(classifier.loaded.dtype),
         "method": classifier.method,

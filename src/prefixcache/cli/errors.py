@@ -21,8 +21,11 @@ from rich.console import Console
 
 from ..errors import PrefixCacheError
 
-err = Console(stderr=True)
-out = Console(width=None if sys.stdout.isatty() else 120)
+# Off a terminal (a log file, CI, a pipe) rich would cut tables at 80 columns ("items…", "max|Δl…"): there
+# each console prints at the tables' full natural width instead (rich never widens a table to the console).
+UNBOUNDED = 10_000
+err = Console(stderr=True, width=None if sys.stderr.isatty() else UNBOUNDED)
+out = Console(width=None if sys.stdout.isatty() else UNBOUNDED)
 
 T = TypeVar("T")
 

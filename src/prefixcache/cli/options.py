@@ -29,7 +29,10 @@ CacheBudgetOpt = typer.Option(
     None, "--cache-budget",
     help=f"Prefix pool byte budget such as 256MB (setting any cache option makes a pool; default {format_bytes(POOL.budget_bytes)}).",
 )
-CacheDirOpt = typer.Option(None, "--cache-dir", help="Disk tier: prefixes are loaded from and saved to this folder.")
+CacheDirOpt = typer.Option(
+    None, "--cache-dir", envvar="PREFIXCACHE_CACHE_DIR",
+    help="Disk tier: prefixes are loaded from and saved to this folder (default: $PREFIXCACHE_CACHE_DIR; none without it).",
+)
 CacheDirBudgetOpt = typer.Option(
     None, "--cache-dir-budget",
     help="Byte budget of the --cache-dir folder such as 2GB: after each save the least recently used files are deleted "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -52,14 +53,15 @@ def serve(
     cache_budget: Optional[str] = typer.Option(None, "--cache-budget", help="Byte budget of the server's prefix pool, such as 256MB."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run a model repository's own code (only for models you trust)."),
     log_level: str = typer.Option(DEFAULT_LOG_LEVEL, "--log-level", help=f"uvicorn log level: {', '.join(LOG_LEVELS)}."),
+    head: Optional[Path] = typer.Option(
+        None, "--head", help="A fitted label head (prefixcache fit) for the one --task served; overrides its head:."
+    ),
 ):
     """Serve tasks over HTTP with micro-batching (FastAPI on uvicorn). Set PREFIXCACHE_API_KEY to require a key,
     and PREFIXCACHE_ADMIN_KEY to keep task changes and /metrics to the operator (start-up tasks are read-only to clients).
 
     Needs the 'serve' extra: pip install 'prefixcache[serve]'.
     """
-    from ..task.definition import load_any_task
-
     run_server = server_runner()
     log_level = choice(log_level, LOG_LEVELS, "--log-level")
     settings = ServerSettings.from_env(
@@ -70,8 +72,31 @@ def serve(
         method=choice(method, METHODS, "--method"),
         cache_budget_bytes=parsed(parse_bytes, cache_budget, "--cache-budget") if cache_budget else None,
     )
-    specs = [load_any_task(name) for name in task]
-    run_server(load(model, dtype, threads, trust_remote_code), specs, settings, log_level)
+    run_server(load(model, dtype, threads, trust_remote_code), served_specs(task, head), settings, log_level)
+
+
+def served_specs(names: list[str], head: Optional[Path]) -> list:
+    """The ``--task`` names or paths, loaded; with ``--head``, the one task scoring through it."""
+    from ..task.definition import load_any_task
+
+    specs = [load_any_task(name) for name in names]
+    return specs if head is None else [served_with_head(specs, head)]
+
+
+def served_with_head(specs: list, head: Path):
+    """The one classification task of ``specs`` with ``head:`` set to ``head``'s absolute path (read here first,
+    so a bad file is refused before the model loads).
+
+    Raises:
+        typer.BadParameter: more than one task, or an extraction task.
+    """
+    from ..engine.head_file import load_head
+    from ..task.definition import ExtractTask
+
+    if len(specs) != 1 or isinstance(specs[0], ExtractTask):
+        raise typer.BadParameter("--head goes with exactly one classification --task", param_hint="--head")
+    load_head(head)
+    return specs[0].model_copy(update={"head": str(Path(head).resolve())})
 
 
 def server_runner():

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import ExtraNotInstalledError
+from ..model.machine import machine_info
 from .evaluate import EvalResult
 from .metrics import Metrics
 from .selective import plot_trust, selective_table
@@ -128,8 +129,10 @@ def check_plotting() -> None:
 def emit(
     results: Sequence[EvalResult], sweep: bool, as_json: bool, plot: Path | None, out: Console, err: Console
 ) -> None:
-    """Print the report (tables on ``out``, or one JSON object on stdout) and write the PNG when ``plot`` is set."""
+    """Print the report (tables on ``out``, or one JSON object on stdout, its ``machine`` naming this machine at
+    the run's dtype) and write the PNG when ``plot`` is set."""
     document = sweep_document(results) if sweep else results[0].to_json()
+    document["machine"] = machine_info(results[0].dtype)
     if as_json:
         print(json.dumps(document))
     else:

@@ -35,6 +35,7 @@ from urllib.parse import urlparse
 import torch
 
 from .allocator import keep_freed_memory
+from .paths import cache_home  # noqa: F401  (re-exported: where converted models live)
 from .catalog import DEFAULT_MODEL, DTYPE_CHOICES, DTYPE_NAMES, EMBEDDED, MODEL_CONFIGS, RANDOM_PREFIX
 from .decoder_choice import DECODER_ENV, as_lean, choose_decoder, model_folder
 from .lean.config import lean_reason
@@ -66,15 +67,6 @@ class LoadedModel:
     def decoder(self) -> str:
         """``"lean"`` (our decoder, :mod:`prefixcache.model.lean`) or ``"transformers"`` (the fallback)."""
         return getattr(self.model, "decoder", "transformers")
-
-
-def cache_home() -> Path:
-    """Root of prefixcache's on-disk cache (``$PREFIXCACHE_HOME`` or ``~/.cache/prefixcache``)."""
-    env = os.environ.get("PREFIXCACHE_HOME")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "prefixcache"
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -250,7 +242,7 @@ def _hub_or_folder(spec: str) -> tuple[str, str]:
     if not _hub_reachable():
         raise ModelNotFoundError(
             f"model {spec!r} is not in the local Hugging Face cache and the hub cannot be reached from here. "
-            f"On a machine with internet access run `huggingface-cli download {spec}` (or copy the model folder "
+            f"On a machine with internet access run `hf download {spec}` (or copy the model folder "
             f"here and pass its path), or use the embedded model: {setting('model', DEFAULT_MODEL)}"
         )
     return spec, f"hf:{spec}"

@@ -24,6 +24,7 @@ import json
 import time
 from typing import Awaitable, Callable
 
+from .openai_errors import error_body
 from .prometheus import Metrics
 from .settings import ADMIN_KEY_ENV
 
@@ -119,10 +120,10 @@ class BearerAuth:
         elif role == "client":
             detail = (f"this needs the admin key ({ADMIN_KEY_ENV}): registering, replacing and deleting tasks "
                       "and reading /metrics are the operator's; the client key classifies and extracts")
-            await send_json(send, 403, {"detail": detail})
+            await send_json(send, 403, error_body(scope["path"], 403, detail))
         else:
             await send_json(
-                send, 401, {"detail": "missing or wrong API key: send 'Authorization: Bearer <key>'"},
+                send, 401, error_body(scope["path"], 401, "missing or wrong API key: send 'Authorization: Bearer <key>'"),
                 [(b"www-authenticate", b'Bearer realm="prefixcache"')],
             )
 
@@ -159,7 +160,7 @@ class BodyLimit:
             return
         declared = self._content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await self._refuse(send)
+            await self._refuse(send, scope["path"])
             return
         chunks, size = [], 0
         while True:
@@ -169,7 +170,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await self._refuse(send)
+                await self._refuse(send, scope["path"])
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -193,5 +194,5 @@ class BodyLimit:
                 return int(value) if value.isdigit() else None
         return None
 
-    async def _refuse(self, send: Send) -> None:
-        await send_json(send, 413, {"detail": f"request body larger than max_body_bytes={self.max_bytes}"})
+    async def _refuse(self, send: Send, path: str) -> None:
+        await send_json(send, 413, error_body(path, 413, f"request body larger than max_body_bytes={self.max_bytes}"))

@@ -28,9 +28,9 @@ from .openai_schemas import (
     ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList, OpenAIError, parse_request,
 )
 from .middleware import CLIENT
+from .openai_errors import OPENAI_PATHS, openai_error  # noqa: F401  (OPENAI_PATHS: app.py reads it here)
 from .service import Service
 
-OPENAI_PATHS = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions"})
 STARTED = int(time.time())
 _ERRORS = {code: {"model": OpenAIError} for code in (400, 401, 404, 413, 422, 429, 503)}
 _EVENT = {"type": "object", "properties": {"data": {"type": "string", "description": "a chunk as JSON, or [DONE]"}}}
@@ -60,14 +60,6 @@ def add_openai_routes(app: FastAPI, service: Service) -> None:
     async def completions(request: Request):
         """OpenAI text completions over a prompt string or token ids, with the same prefix reuse."""
         return await _serve(service, model_name, CompletionRequest, await request.body(), request.scope.get(CLIENT))
-
-
-def openai_error(message: str, status: int, param: str | None = None) -> dict:
-    """OpenAI's error body for ``status``."""
-    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_exceeded"}.get(status)
-    kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
-    code = "model_not_found" if status == 404 else None
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 async def _serve(service: Service, model_name: str, kind, body: bytes, client: str | None):

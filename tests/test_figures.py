@@ -1,0 +1,143 @@
+"""Every figure in the README and the docs' tables is rendered from a committed JSON under docs/bench/, and every
+such JSON names the machine it was measured on (prefixcache.bench.tables, prefixcache.model.machine)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixcache.bench import tables
+from prefixcache.model.machine import command_line, cpu_flags, cpu_model, machine_caption, machine_info
+
+ROOT = Path(__file__).resolve().parents[1]
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 9B14
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni
+processor\t: 1
+model name\t: AMD EPYC 9B14
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni
+"""
+
+
+def test_every_table_in_the_readme_and_docs_is_what_its_json_renders():
+    stale = tables.stale_blocks(ROOT)
+    assert not stale, "\n".join(f"{b.path}: {b.spec}\n--- has\n{b.body}--- renders\n{b.expected}" for b in stale)
+
+
+def test_the_readme_and_the_docs_hold_rendered_tables():
+    readme = tables.blocks((ROOT / "README.md").read_text(), "README.md", ROOT)
+    kinds = {b.spec.split()[0] for b in readme}
+    assert {"lanes", "machines", "accuracy"} <= kinds, kinds
+    assert tables.blocks((ROOT / "docs/benchmarks.md").read_text(), "docs/benchmarks.md", ROOT)
+
+
+@pytest.fixture(scope="module")
+def copy_root(tmp_path_factory) -> Path:
+    """README.md, docs/*.md and docs/bench/ copied, for a check that edits them."""
+    root = tmp_path_factory.mktemp("repo")
+    shutil.copy(ROOT / "README.md", root / "README.md")
+    shutil.copytree(ROOT / "docs", root / "docs", ignore=shutil.ignore_patterns("img"))
+    return root
+
+
+def readme_table_digits(text: str) -> list[int]:
+    """Offsets of every digit inside the README's rendered table bodies."""
+    return [m.start("body") + d.start() for m in tables.BLOCK.finditer(text) for d in re.finditer(r"\d", m["body"])]
+
+
+@settings(max_examples=25, deadline=None)
+@given(pick=st.integers(min_value=0, max_value=10**6), bump=st.integers(min_value=1, max_value=9))
+def test_changing_one_digit_in_a_readme_table_fails_the_check(copy_root, pick, bump):
+    readme = copy_root / "README.md"
+    original = (ROOT / "README.md").read_text()
+    digits = readme_table_digits(original)
+    at = digits[pick % len(digits)]
+    changed = original[:at] + str((int(original[at]) + bump) % 10) + original[at + 1:]
+    readme.write_text(changed)
+    try:
+        stale = tables.stale_blocks(copy_root)
+        assert [b.path for b in stale] == ["README.md"]
+        assert tables.main(["--root", str(copy_root)]) == 1
+        tables.main(["--write", "--root", str(copy_root)])  # `make tables` puts the JSON's figure back
+        assert readme.read_text() == original
+    finally:
+        readme.write_text(original)
+
+
+def test_a_figure_changed_in_its_json_makes_the_table_stale(copy_root):
+    spec = tables.blocks((ROOT / "README.md").read_text(), "README.md", ROOT)[0].spec
+    path = copy_root / spec.split()[1]
+    original = path.read_text()
+    doc = json.loads(original)
+    key = "modes" if "modes" in doc else "timing"
+    doc[key][0]["ms_per_item"] = doc[key][0]["ms_per_item"] * 2 + 1
+    path.write_text(json.dumps(doc))
+    try:
+        assert "README.md" in [b.path for b in tables.stale_blocks(copy_root)]
+    finally:
+        path.write_text(original)
+
+
+def test_every_bench_json_names_its_machine_and_its_command():
+    found = sorted((ROOT / "docs/bench").rglob("*.json"))
+    assert found
+    for path in found:
+        machine = json.loads(path.read_text()).get("machine")
+        assert machine, f"{path} names no machine"
+        for key in ("cpu", "cores", "dtype", "command"):
+            assert machine.get(key), f"{path}: machine has no {key}"
+        assert machine.get("gpu") or machine.get("flags"), f"{path}: neither a GPU nor CPU flags"
+
+
+def test_cpuinfo_is_read_for_the_model_and_the_flags_that_decide_the_dtype():
+    assert cpu_model(CPUINFO) == "AMD EPYC 9B14"
+    assert cpu_flags(CPUINFO) == ["avx2", "avx512f", "avx512_bf16", "avx512_vnni"]
+    assert cpu_model("") == "" and cpu_flags("") == []
+
+
+def test_machine_info_describes_this_process():
+    info = machine_info("float32", 3)
+    assert info["dtype"] == "float32" and info["threads"] == 3 and info["cores"] >= 1
+    assert info["cpu"] and isinstance(info["flags"], list) and "command" in info
+
+
+def test_the_command_is_written_as_a_user_types_it():
+    assert command_line(["/x/prefixcache/__main__.py", "bench", "--items", "12"]) == "prefixcache bench --items 12"
+    assert command_line(["/venv/bin/prefixcache", "eval", "a b.jsonl"]) == "prefixcache eval 'a b.jsonl'"
+    assert command_line(["scripts/loadtest.py", "--json", "x.json"]) == "python scripts/loadtest.py --json x.json"
+
+
+def test_captions_name_the_gpu_or_the_cpu_kind():
+    gpu = {"gpu": "NVIDIA H200", "cores": 16, "cpu": "host", "dtype": "bfloat16"}
+    assert machine_caption(gpu).startswith("NVIDIA H200 (16-core host)")
+    assert "AVX2 only" in machine_caption({"cpu": "AMD EPYC", "cores": 2, "flags": ["avx2"], "dtype": "float32"})
+    amx = {"cpu": "Intel Xeon", "cores": 2, "flags": ["avx2", "avx512f", "amx_tile"], "dtype": "bfloat16", "note": "n"}
+    assert machine_caption(amx) == "2-core Intel Xeon, AMX; run dtype bfloat16; n"
+
+
+def test_an_unknown_kind_or_a_missing_json_is_refused():
+    with pytest.raises(ValueError, match="unknown table kind"):
+        tables.render("pie docs/bench/smollm2.json", ROOT)
+    with pytest.raises(ValueError, match="names no JSON"):
+        tables.render("modes", ROOT)
+    with pytest.raises(OSError):
+        tables.render("modes docs/bench/none.json", ROOT)
+
+
+def test_the_demo_table_shows_each_timed_mode_and_the_heads_figures():
+    lane = {"batch_size": 1, "ms_per_item": 300.0, "speedup_vs_full": 1.0, "label_agreement": 1.0, "records": 60}
+    doc = {"machine": {"cpu": "AMD EPYC", "cores": 2, "flags": ["avx2"], "dtype": "float32"}, "model": "m",
+           "prefix_tokens": 609, "dtype": "torch.bfloat16", "accuracy": 0.523, "records": 600,
+           "timing": [{**lane, "mode": "full"}, {**lane, "mode": "batched", "batch_size": 32, "ms_per_item": 20.0,
+                                                   "speedup_vs_full": 15.0, "label_agreement": 59 / 60}],
+           "fitted_head": {"fitted_rows": 300, "scored_rows": 298, "prompt_accuracy": 0.5, "head_accuracy": 0.97}}
+    table = tables.demo_table(doc)
+    assert "| full | 1 | 300.0 | 1.0x | 60/60 |" in table and "| batched | 32 | 20.0 | 15.0x | 59/60 |" in table
+    assert "bfloat16: 52.3%" in table and "prompt 50.0% -> head 97.0%" in table and "2-core AMD EPYC, AVX2 only" in table
