@@ -233,13 +233,15 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cache", type=Path, default=Path("/tmp/trust_cache"))
     parser.add_argument("--plots", type=Path, default=None)
-    parser.add_argument("--only", default="tickets,banking77,writers")
+    parser.add_argument("--only", default="tickets,banking77,natcs71,writers,suggest_cost")
     args = parser.parse_args()
     report = {}
     if "tickets" in args.only:
         report["tickets"] = tickets(args)
     if "banking77" in args.only and (args.cache / "banking77.rows.json").exists():
         report["banking77"] = banking(args)
+    if "natcs71" in args.only and (args.cache / "natcs71.rows.json").exists():
+        report["natcs71"] = natcs71(args)
     if "suggest_cost" in args.only:
         report["suggest_cost"] = second_round_cost()
         print("second suggest round:", json.dumps(report["suggest_cost"]))
@@ -286,6 +288,21 @@ def banking(args):
         from prefixcache.eval.selective import plot_trust
         plot_trust(conf, ok, args.plots / "trust-banking77.png", f"banking77-short head, {len(test)} held-out rows (calibrated)")
     return {"head": row, "prompt": prompt, "simulation": table, "ms_per_row": 1000 * s_per_row, "rows": total}
+
+
+def natcs71(args):
+    """NatCS-71 at the scale collected: the first 2 rows of each intent fitted, the others scored."""
+    fs, y, s_per_row, _ = load(args.cache, "natcs71")
+    seen, fit, test = {}, [], []
+    for i, label in enumerate(y):
+        seen[label] = seen.get(label, 0) + 1
+        (fit if seen[label] <= 2 else test).append(i)
+    row, _, _ = head_study(f"natcs71 ({len(fit)} -> {len(test)})", fs, y, np.array(fit), np.array(test),
+                           (0.5, 0.65, 0.8), (0.95,))
+    prompt = prompt_study(fs, y, np.array(fit), np.array(test))
+    print("natcs71 head:", json.dumps(row, default=str))
+    print("natcs71 prompt:", json.dumps(prompt, default=str))
+    return {"head": row, "prompt": prompt, "ms_per_row": 1000 * s_per_row}
 
 
 def _plot_sim(sim, budgets, path, pool, test):
