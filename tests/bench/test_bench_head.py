@@ -56,6 +56,7 @@ def head_lanes_hold_invariant_1(document: dict) -> dict:
     return modes
 
 
+@pytest.mark.slow
 def test_head_fit_adds_head_lanes_equal_to_full_through_the_head(model_dir, tmp_path):
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     result = bench(model_dir, "--head", "fit", "--json", str(out), "--plot", str(plot))
@@ -69,6 +70,7 @@ def test_head_fit_adds_head_lanes_equal_to_full_through_the_head(model_dir, tmp_
     assert plot.stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_a_head_file_from_fit_runs_and_another_prompts_head_is_refused(model_dir, tmp_path):
     rows = tmp_path / "tickets.jsonl"
     rows.write_text("".join(json.dumps({"text": r.fields["text"], "label": r.fields["label"]}) + "\n"

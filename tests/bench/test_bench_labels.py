@@ -77,6 +77,7 @@ def test_file_records_leave_out_the_prompts_examples_and_take_the_gold_label_fie
     assert sorted(r.fields["label"] for r in fitting) == sorted(list(task.labels) * 3)
 
 
+@pytest.mark.slow
 def test_bench_with_shared_first_tokens_runs_the_many_label_lanes(files, tmp_path_factory):
     model_dir = save_tiny_model(tmp_path_factory, "qwen2")
     out = files / "bench.json"

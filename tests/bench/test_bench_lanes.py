@@ -34,6 +34,7 @@ def model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory, "llama")
 
 
+@pytest.mark.slow
 def test_bench_runs_on_tiny_model_and_json_has_every_key(model_dir, tmp_path):
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     result = CliRunner().invoke(

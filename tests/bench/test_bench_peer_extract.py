@@ -74,6 +74,7 @@ def _records(texts) -> list[Record]:
     return [Record(f"r{i}", {"text": text}) for i, text in enumerate(texts)]
 
 
+@pytest.mark.slow
 def test_the_lane_generates_what_our_free_full_decoding_generates(tiny_llama, tmp_path):
     extractor = _extractor(tiny_llama)
     records = _records(TEXTS)
@@ -100,6 +101,7 @@ def test_the_lane_generates_what_our_free_full_decoding_generates(tiny_llama, tm
     assert stats.parse_errors == sum(o.error is not None for o in outputs)
 
 
+@pytest.mark.slow
 def test_a_record_crossing_the_boundary_is_evaluated_whole_and_the_prefix_comes_back(tiny_llama, tmp_path):
     extractor = _extractor(tiny_llama, "Ticket: pass{text}")
     texts = [CROSSING[0], " reset mail never arrives", CROSSING[1], "1234 failed twice"]
@@ -114,6 +116,7 @@ def test_a_record_crossing_the_boundary_is_evaluated_whole_and_the_prefix_comes_
     assert stats.prefill_tokens == sum(len(e.full_ids if e.suffix_ids is None else e.suffix_ids) for e in encoded)
 
 
+@pytest.mark.slow
 def test_the_bench_adds_the_lane_and_compares_it_with_free_decoding(tiny_llama, tmp_path):
     extractor = _extractor(tiny_llama)
     task = extractor.task

@@ -29,6 +29,7 @@ def long_context_llama() -> LoadedModel:
     return LoadedModel(model, tokenizer, "tiny-llama-4k", "tiny-llama-4k-seed0", torch.float32, torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_demo_classifies_the_bundled_tickets_and_proves_agreement(tmp_path_factory, tmp_path):
     loaded = long_context_llama()
     folder = save_tiny_model(tmp_path_factory, loaded=loaded)

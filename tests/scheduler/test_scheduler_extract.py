@@ -276,6 +276,7 @@ def test_cli_classify_refuses_an_extract_task(model_dir, files):
     assert result.exit_code == 2 and "prefixcache extract" in result.output
 
 
+@pytest.mark.slow
 def test_bench_extract_reports_ttft_and_tokens_per_s(model_dir, files, tmp_path):
     task_file, _ = files
     roomy = tmp_path / "roomy.yaml"  # room for the tiny tokenizer's shortest constrained answer
