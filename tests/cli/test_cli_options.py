@@ -120,7 +120,6 @@ BAD = {
     ("suggest", "--feature"): ("first", "is not one of last, mean", 2),
     ("suggest", "--feature-cache"): ("{file}", "is a file", 2),
     ("suggest", "--seed"): ("x", "--seed", 2),
-    ("bench", "--ray-workers"): ("0", "--ray-workers", 2),
     # the field options of eval: the base task classifies, so any value is refused as not applying
     ("eval", "--field-head"): ("x=/nonexistent-folder/head.safetensors", "extraction task's fields only", 2),
     ("eval", "--min-confidence"): ("x=0.5", "--min-confidence", 2),
