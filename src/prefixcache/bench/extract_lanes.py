@@ -21,6 +21,7 @@ over the ``.gguf``'s bytes.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
@@ -35,6 +36,7 @@ from .peer_extract import LLAMA_CPP, llama_cpp_generate
 from .roofline import DecodeFloor, decode_floor
 
 UNCONSTRAINED = "batched-unconstrained"  # the lane that decodes without the answer schema
+STATIC = "batched-static"  # the batched lane in static batches (no refill), the path the engine loop replaced
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ def bench_extract(
     lanes = [(mode.value, extractor, mode) for mode in Mode]  # full (the reference) first
     if free is not None:
         lanes.append((UNCONSTRAINED, free, Mode.BATCHED))
+    lanes.append((STATIC, static_twin(extractor), Mode.BATCHED))
     for each in (extractor,) if free is None else (extractor, free):
         each.extract_all(records[:1], RunConfig(Mode.BATCHED, 1))  # builds the prefix, warms kernels
     results, outputs_of = [], {}
@@ -92,6 +95,13 @@ def bench_extract(
         reference = outputs_of[UNCONSTRAINED if free is not None else Mode.FULL.value]
         results.append(_lane(LLAMA_CPP, 1, len(records), seconds, stats, compare_extractions(reference, outputs).rate, False))
     return results
+
+
+def static_twin(extractor: Extractor) -> Extractor:
+    """A copy of ``extractor`` that runs static batches (a batch starts together and ends with its longest row)."""
+    twin = copy.copy(extractor)
+    twin.continuous = False
+    return twin
 
 
 def _lane(
@@ -141,7 +151,7 @@ def run_extract_bench(options: BenchOptions, log: Callable[[str], None] = print)
             f"extract lane {lane.mode}, B={lane.batch_size}: time to first token {lane.ttft_ms_mean:.1f} ms (median "
             f"{lane.ttft_ms_p50:.1f}), {lane.tokens_per_s:.1f} tokens/s, {1000 * lane.seconds / lane.records:.1f} "
             f"ms/record, {lane.parse_errors} unparsable, {lane.identical:.0%} identical to "
-            + {UNCONSTRAINED: "constrained batched", LLAMA_CPP: "unconstrained batched"}.get(lane.mode, "uncached")
+            + {UNCONSTRAINED: "constrained batched", LLAMA_CPP: "unconstrained batched", STATIC: "uncached"}.get(lane.mode, "uncached")
             + (f", {lane.pct_of_floor:.0f}% of the B=1 decoding floor" if lane.pct_of_floor is not None else "")
         )
     rows = [

@@ -29,13 +29,16 @@ from ..cache.kv import PrefixKV
 from ..cache.pool import PrefixPool
 from ..engine.constraint import grammar_tokenizer, json_constraint
 from ..engine.generate import Generation, GenerationConfig, eos_ids_of, generate_rows
+from ..engine.sampling import GREEDY
 from ..model.load import LoadedModel
 from ..task.answer import answer_schema, parse_fields
 from ..model.context_window import context_limit
 from ..task.extract_prompt import build_extract_prompt
 from ..task.definition import ExtractTask
 from ..types import Mode, Record, RunConfig, WindowStats
-from .loop import BoundTask, WorkItem, route
+from .engine_loop import EngineLoop
+from .loop import BoundTask, Failure, WorkItem, route
+from .sequence import Generate, Sequence
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,21 @@ class Extractor(BoundTask):
         stats.first_token_s += [timing.first_token_s] * len(batch)
         return generations
 
-    def _result(self, item: WorkItem, generation: Generation) -> Extraction:
+    def _sequences(self, batches, stats: ExtractStats, on_finish) -> list[Sequence]:
+        """Generating sequences, each under the task's decoding settings and constraint."""
+        want = Generate(self.generation, GREEDY, self.constraint)
+        return [Sequence(prefix, item.rows, want, tag=item, on_finish=on_finish) for prefix, batch in batches for item in batch]
+
+    def _count_loop(self, engine: EngineLoop, seqs: list[Sequence], stats: ExtractStats) -> None:
+        stats.forward_passes += engine.stats.passes
+        stats.prefill_tokens += sum(len(seq.ids) for seq in seqs)
+        stats.tokens_generated += engine.stats.tokens_generated
+        stats.first_token_s += [seq.first_token_at - engine.created for seq in seqs if seq.first_token_at is not None]
+
+    def _result(self, item: WorkItem, generation: Generation | Failure) -> Extraction:
+        if isinstance(generation, Failure):
+            return Extraction(item.record.id, error=f"record {item.record.id!r}: {generation.error}",
+                              boundary_fallback=item.boundary_fallback)
         return self.extraction_of(item.record.id, generation, item.boundary_fallback)
 
     def extraction_of(self, record_id: object, generation: Generation, boundary_fallback: bool = False) -> Extraction:
