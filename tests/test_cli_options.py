@@ -89,7 +89,8 @@ BAD = {
     ("serve", "--max-item-tokens"): ("0", "--max-item-tokens", 2),
     ("serve", "--max-body-bytes"): ("0", "--max-body-bytes", 2),
     ("serve", "--max-prefix-tokens"): ("0", "--max-prefix-tokens", 2),
-    **{("serve", option): ("0", option, 2) for option in ("--max-task-bytes", "--max-labels", "--max-examples", "--max-tasks")},
+    **{("serve", option): ("0", option, 2) for option in ("--max-task-bytes", "--max-labels", "--max-examples", "--max-tasks",
+                                                                "--max-choice-chars", "--max-choice-tokens")},
     ("serve", "--log-level"): ("loud", "--log-level must be one of", 2),
     **{(command, "--head"): ("/nonexistent-folder/head.safetensors", "does not exist", 2)
        for command in ("classify", "verify", "eval")},

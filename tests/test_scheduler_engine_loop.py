@@ -204,3 +204,35 @@ def test_slot_pass_reads_gathered_slots_exactly():
     assert torch.allclose(second[0], ref[0], atol=1e-5)
     with pytest.raises(ValueError):
         forward_slots(LOADED.model, PREFIXES[0], store, [Feed(1, 14, (1, 2, 3))])
+
+
+def test_an_extraction_whose_constraint_fails_is_an_error_for_that_record_only(monkeypatch):
+    """Through the record loop: one record's grammar fails mid-pass; it gets an error naming it, its window-mates
+    get exactly the outputs they get when nothing fails, and static batches (the old path) give those too."""
+    from conftest import EXTRACT_YAML, TEXTS
+    from prefixcache.bench.extract_lanes import static_twin
+    from prefixcache.engine import constraint
+    from prefixcache.scheduler.classify import records_from_texts
+    from prefixcache.scheduler.extract import Extractor
+    from prefixcache.task.definition import parse_task
+    from prefixcache.types import RunConfig
+
+    extractor = Extractor(LOADED, parse_task(EXTRACT_YAML, "x.yaml", kinds=("extract",)))
+    records = records_from_texts(TEXTS[:5])
+    clean = extractor.extract_all(records, RunConfig("batched", 3))
+    assert [e.to_json() for e in static_twin(extractor).extract_all(records, RunConfig("batched", 3))] == [
+        e.to_json() for e in clean]
+    original, seen = constraint.ConstrainedRows.mask_, []  # the rows' grammars, in the order they first mask
+
+    def fails_on_the_third_row(self, logits, live):
+        if self not in seen:
+            seen.append(self)
+        if seen.index(self) == 2:
+            raise constraint.ConstraintError("the grammar matcher failed")
+        return original(self, logits, live)
+
+    monkeypatch.setattr(constraint.ConstrainedRows, "mask_", fails_on_the_third_row)
+    broken = extractor.extract_all(records, RunConfig("batched", 3))
+    failed = [i for i, e in enumerate(broken) if e.error is not None and "grammar matcher" in e.error]
+    assert len(failed) == 1 and repr(records[failed[0]].id) in broken[failed[0]].error
+    assert all(broken[i].to_json() == clean[i].to_json() for i in range(5) if i not in failed)

@@ -29,6 +29,7 @@ from typing import Callable
 
 from ..eval.verify_extract import compare_extractions
 from ..scheduler.extract import Extraction, ExtractStats, Extractor
+from ..scheduler.loop import BoundTask
 from ..types import Mode, Record, RunConfig
 from .lanes import BenchReport, ModeResult, dtype_name
 from .options import BenchOptions
@@ -97,8 +98,9 @@ def bench_extract(
     return results
 
 
-def static_twin(extractor: Extractor) -> Extractor:
-    """A copy of ``extractor`` that runs static batches (a batch starts together and ends with its longest row)."""
+def static_twin(extractor: BoundTask) -> BoundTask:
+    """A copy of ``extractor`` (or a classifier) that runs static batches (a batch starts together and ends with its
+    longest row): the path the engine loop replaced, kept to compare."""
     twin = copy.copy(extractor)
     twin.continuous = False
     return twin

@@ -1,0 +1,69 @@
+"""Hostile requests from a key holder (issue 37): a body nested past what the parser takes is a 400 in the
+route's error shape, never a 500; a stream refused for a full queue is a 429 with Retry-After before any 200,
+never an error event after it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from conftest import tiny_loaded
+from test_server_app import TASK, call, serving
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return tiny_loaded("llama")
+
+
+def nested_stop(depth: int) -> bytes:
+    body = '{"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "stop": ' + "[" * depth + '"x"' + "]" * depth + "}"
+    return body.encode()
+
+
+@pytest.mark.parametrize("depth", [70, 995, 20_000])
+def test_a_deeply_nested_body_is_a_400_in_openai_shape(loaded, task, depth):
+    with serving(loaded, [task]) as server:
+        status, _, body = call(server, "POST", "/v1/chat/completions", raw=nested_stop(depth),
+                               headers={"Content-Type": "application/json"})
+        assert status == 400, body
+        assert body["error"]["type"] == "invalid_request_error" and "nested deeper" in body["error"]["message"], body
+        ok = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert call(server, "POST", "/v1/chat/completions", ok)[0] == 200, "the server goes on"
+
+
+def test_a_stream_refused_for_a_full_queue_is_a_429_before_the_200(loaded, task):
+    with serving(loaded, [task], max_queue=3, max_items=3, max_batch=64, max_wait_ms=1500, arrival_gap_ms=1500) as server:
+        first: list = []
+        holder = threading.Thread(target=lambda: first.append(call(server, "POST", "/v1/classify", {"task": TASK, "items": ["a", "b", "c"]})))
+        holder.start()
+        deadline = time.monotonic() + 10
+        while call(server, "GET", "/v1/stats")[2]["in_progress"] < 3:
+            assert time.monotonic() < deadline, "the first request never reached the queue"
+            time.sleep(0.01)
+        stream = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+        status, headers, body = call(server, "POST", "/v1/chat/completions", stream)
+        holder.join()
+        assert status == 429, body
+        assert int(headers["retry-after"]) >= 1 and body["error"]["type"] == "rate_limit_exceeded", body
+        assert first[0][0] == 200
+        status, _, text = call(server, "POST", "/v1/chat/completions", stream)
+        assert status == 200 and "[DONE]" in text, text
+        assert call(server, "GET", "/v1/stats")[2]["in_progress"] == 0, "a finished stream gives its room back"
+
+
+def test_guided_choice_is_capped_by_settings_named_in_the_400(loaded, task):
+    with serving(loaded, [task], max_choice_chars=40, max_choice_tokens=60) as server:
+        ask = {"model": "tiny-llama", "messages": [{"role": "user", "content": "route this ticket "}]}
+        long = dict(ask, guided_choice=["billing", "b" * 41])
+        status, _, body = call(server, "POST", "/v1/chat/completions", long)
+        assert status == 400 and "max_choice_chars=40" in body["error"]["message"], body
+        assert body["error"]["param"] == "guided_choice[1]", body
+        many = dict(ask, guided_choice=[f"choice number {i} of many" for i in range(12)])
+        status, _, body = call(server, "POST", "/v1/chat/completions", many)
+        assert status == 400 and "max_choice_tokens=60" in body["error"]["message"], body
+        status, _, body = call(server, "POST", "/v1/chat/completions", dict(ask, guided_choice=["billing", "account"]))
+        assert status == 200 and body["choices"][0]["message"]["content"] in ("billing", "account"), body
