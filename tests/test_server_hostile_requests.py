@@ -67,3 +67,19 @@ def test_guided_choice_is_capped_by_settings_named_in_the_400(loaded, task):
         assert status == 400 and "max_choice_tokens=60" in body["error"]["message"], body
         status, _, body = call(server, "POST", "/v1/chat/completions", dict(ask, guided_choice=["billing", "account"]))
         assert status == 200 and body["choices"][0]["message"]["content"] in ("billing", "account"), body
+
+
+@pytest.mark.parametrize("schema, why", [
+    ({"$ref": "#"}, "only the empty text"),
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "admits no value"),
+])
+def test_a_schema_with_no_finite_answer_is_a_400_before_decoding(loaded, task, schema, why):
+    with serving(loaded, [task]) as server:
+        ask = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+        status, _, body = call(server, "POST", "/v1/chat/completions", ask)
+        assert status == 400 and why in body["error"]["message"], body
+        assert body["error"]["param"] == "response_format"
+        fine = dict(ask, response_format={"type": "json_object"})
+        status, _, body = call(server, "POST", "/v1/chat/completions", fine)
+        assert status == 200 and json.loads(body["choices"][0]["message"]["content"]) is not None, body

@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..engine.constraint import ANY_OBJECT, JsonConstraint, json_constraint
+from ..engine.constraint import ANY_OBJECT, ConstrainedRows, JsonConstraint, json_constraint
 from ..engine.generate import GenerationConfig, eos_ids_of
 from ..engine.sampling import Sampling, TokenLogprob
 from ..errors import ConstraintError, RequestFieldError
@@ -69,8 +69,22 @@ def plan(runners: OpenAIRunners, settings: ServerSettings, tokenizer, request: C
         max_new_tokens=_token_limit(request, prompt, runners), stop=request.stops(),
         eos_ids=eos_ids_of(runners.loaded.model, tokenizer),
     )
+    if constraint is not None:
+        _check_answerable(constraint, tokenizer, config)
     runner = runners.generate(prompt, config, _sampling(request), constraint)
     return Plan(runner, PromptItem(prompt), False, config.stop)
+
+
+def _check_answerable(constraint: JsonConstraint, tokenizer, config: GenerationConfig) -> None:
+    """Refuse, before any decoding, a schema whose grammar has no complete answer within ``max_tokens``.
+
+    Raises:
+        RequestFieldError: naming ``response_format`` (and ``max_tokens`` when a longer budget would do).
+    """
+    try:
+        ConstrainedRows(constraint, tokenizer, 1, config.eos_ids, config.max_new_tokens).check_answerable()
+    except ConstraintError as exc:
+        raise RequestFieldError(f"response_format: {exc}", param="response_format") from None
 
 
 def _capped_choices(tokenizer, prompt: WholePrompt, options, param: str, settings: ServerSettings):
