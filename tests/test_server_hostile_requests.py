@@ -83,3 +83,44 @@ def test_a_schema_with_no_finite_answer_is_a_400_before_decoding(loaded, task, s
         fine = dict(ask, response_format={"type": "json_object"})
         status, _, body = call(server, "POST", "/v1/chat/completions", fine)
         assert status == 200 and json.loads(body["choices"][0]["message"]["content"]) is not None, body
+
+
+def test_streams_dropped_while_queued_are_never_run(loaded, task, monkeypatch):
+    """While the model thread is held, five streams are opened, read to their first event and dropped: their
+    queued items leave the queue and never run (only the request that held the model is counted)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from prefixcache.server import openai_runners
+    from test_server_app import metric, metric_samples
+
+    release, original = threading.Event(), openai_runners.GenerateRunner.run
+
+    def held_once(self, items):
+        release.wait(60)
+        return original(self, items)
+
+    monkeypatch.setattr(openai_runners.GenerateRunner, "run", held_once)
+    ask = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with serving(loaded, [task], max_batch=1, arrival_gap_ms=1) as server:
+        holder = threading.Thread(target=lambda: call(server, "POST", "/v1/chat/completions", ask))
+        holder.start()
+        url = urlparse(server.url)
+        body = json.dumps(dict(ask, stream=True)).encode()
+        for _ in range(5):
+            with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                received = b""
+                while b"data:" not in received:  # the headers, then the stream's first event
+                    chunk = sock.recv(4096)
+                    assert chunk, f"the stream ended before its first event: {received!r}"
+                    received += chunk
+        deadline = time.monotonic() + 30
+        while call(server, "GET", "/v1/stats")[2]["in_progress"] > 1:  # every dropped stream's response has ended
+            assert time.monotonic() < deadline, "the dropped streams never gave their room back"
+            time.sleep(0.05)
+        release.set()
+        holder.join()
+        samples = metric_samples(server)
+    assert metric(samples, "prefixcache_items_total", task="openai", kind="generate") == 1, "dropped streams ran"

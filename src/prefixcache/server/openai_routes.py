@@ -103,6 +103,7 @@ async def _stream(service: Service, planned: Plan, model_name: str, chat: bool, 
     loop = asyncio.get_running_loop()
     planned.item.on_token = lambda token: loop.call_soon_threadsafe(tokens.put_nowait, token)
     text = _StreamText(service.stream_tokenizer, planned.stops)
+    job = None
     try:  # admitted by the caller (_AdmittedStream gives the room back when the response ends)
         if chat:
             yield chunk.event(role="assistant", content="")
@@ -120,6 +121,9 @@ async def _stream(service: Service, planned: Plan, model_name: str, chat: bool, 
     except PrefixCacheError as exc:
         yield f"data: {json.dumps(openai_error(str(exc), 500))}\n\n"
         return
+    finally:  # the client went away (the stream was cancelled): its queued item is dropped, never run
+        if job is not None and not job.done():
+            job.cancel()
     rest = text.rest(result["text"])
     if rest:
         yield chunk.event(content=rest)
