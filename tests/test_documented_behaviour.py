@@ -19,7 +19,7 @@ from prefixcache.cli.app import app
 from prefixcache.server import ServerSettings, ServerThread, create_app
 
 from tests.support.models import tiny_loaded
-from tests.server.test_server_app import call
+from tests.server.live import call
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()

@@ -10,7 +10,7 @@ pytest.importorskip("fastapi")
 from prefixcache.task.definition import parse_task  # noqa: E402
 
 from tests.support.tasks import TASK_YAML  # noqa: E402
-from tests.server.test_server_app import call, serving  # noqa: E402
+from tests.server.live import call, serving  # noqa: E402
 
 
 def test_a_task_threshold_abstains_and_metrics_count_it(tiny_llama):

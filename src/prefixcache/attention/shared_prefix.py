@@ -58,8 +58,10 @@ class Packing:
     last: torch.Tensor  # [B]: each row's last token in the packed sequence
 
     @classmethod
-    def of(cls, lengths: Sequence[int], device) -> Packing:
-        if not lengths or min(lengths) < 1:
+    def of(cls, lengths: Sequence[int], device, allow_empty: bool = False) -> Packing:
+        """``allow_empty``: rows of zero tokens are allowed (they unpack to all-pad rows), as long as one row has
+        a token; a step over a slot store places each row at its slot this way."""
+        if not lengths or max(lengths) < 1 or (min(lengths) < 1 and not allow_empty):
             raise ValueError(f"packed rows need at least one token each, got lengths {list(lengths)}")
         width = max(lengths)
         offsets = torch.cat([torch.arange(n, device=device) for n in lengths])  # [N]
@@ -88,12 +90,16 @@ class Packing:
 class SharedKV:
     """Keys (or values) of one layer for a batch: the shared prefix and the rows' own tokens.
 
-    With ``packing``, ``own`` is ``[1, kv_heads, N, head_dim]``: the rows laid end to end.
+    With ``packing``, ``own`` is ``[1, kv_heads, N, head_dim]``: the rows laid end to end. With ``packing`` and
+    ``own_mask`` (a step over a slot store), the queries come packed but ``own`` holds each row's whole own
+    tokens so far, ``[B, kv_heads, S, head_dim]`` (earlier steps' and this one's), and ``own_mask``
+    ``[B, 1, T, S]`` says which of them each unpacked query sees.
     """
 
     prefix: torch.Tensor  # [1, kv_heads, P, head_dim], read-only
     own: torch.Tensor  # [B, kv_heads, S, head_dim]
     packing: Packing | None = None
+    own_mask: torch.Tensor | None = None  # [B, 1, T, S] bool, only beside packing
 
 
 def use_shared_prefix_attention(model: torch.nn.Module) -> None:
@@ -148,7 +154,9 @@ def shared_prefix_attention(
     scale = head_dim**-0.5 if scaling is None else scaling
 
     kv_heads = key.own.shape[1]
-    if key.packing is not None:
+    if key.own_mask is not None:
+        out, lse = _own_slots(query, key.own, value.own, key.packing, key.own_mask, scale)  # [1, H, N, d], [1, H, N]
+    elif key.packing is not None:
         out, lse = _own_packed(query, key.own, value.own, key.packing, scale)  # [1, H, N, d], [1, H, N]
     else:
         own_mask = _own_mask(attention_mask, prefix_len, width, own_len, query.device)  # [B|1, 1, T, S] or None: causal
@@ -186,6 +194,13 @@ def _own_packed(query, keys, values, packing: Packing, scale) -> tuple[torch.Ten
     rows, where causality alone keeps every real query off the pads (they follow its row's last
     token), then packed back. Returns ``([1, H, N, d], lse [1, H, N])``."""
     out, lse = _own_grouped(packing.unpack(query), packing.unpack(keys), packing.unpack(values), None, scale)
+    return packing.pack(out), packing.pack(lse[..., None])[..., 0]
+
+
+def _own_slots(query, keys, values, packing: Packing, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed queries ``[1, H, N, d]`` against each row's own keys ``[B, kv, S, d]`` (held in slots) under ``mask``
+    ``[B, 1, T, S]``: unpacked to right-padded rows, attended, packed back. Returns ``([1, H, N, d], lse [1, H, N])``."""
+    out, lse = _own_grouped(packing.unpack(query), keys, values, mask, scale)
     return packing.pack(out), packing.pack(lse[..., None])[..., 0]
 
 

@@ -50,6 +50,8 @@ def serve(
     max_labels: int = typer.Option(SERVER.max_labels, "--max-labels", min=1, help="Most labels (or fields) of an uploaded task."),
     max_examples: int = typer.Option(SERVER.max_examples, "--max-examples", min=1, help="Most examples of an uploaded task."),
     max_tasks: int = typer.Option(SERVER.max_tasks, "--max-tasks", min=1, help="Most tasks registered at once (start-up tasks too)."),
+    max_choice_chars: int = typer.Option(SERVER.max_choice_chars, "--max-choice-chars", min=1, help="Longest guided choice (400 above)."),
+    max_choice_tokens: int = typer.Option(SERVER.max_choice_tokens, "--max-choice-tokens", min=1, help="Most tokens of a request's choices (400 above)."),
     cache_budget: Optional[str] = typer.Option(None, "--cache-budget", help="Byte budget of the server's prefix pool, such as 256MB."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run a model repository's own code (only for models you trust)."),
     log_level: str = typer.Option(DEFAULT_LOG_LEVEL, "--log-level", help=f"uvicorn log level: {', '.join(LOG_LEVELS)}."),
@@ -69,7 +71,7 @@ def serve(
         max_queue=max_queue, max_queue_per_client=max_queue_per_client, max_items=max_items,
         max_item_tokens=max_item_tokens, max_body_bytes=max_body_bytes, max_prefix_tokens=max_prefix_tokens,
         max_task_bytes=max_task_bytes, max_labels=max_labels, max_examples=max_examples, max_tasks=max_tasks,
-        method=choice(method, METHODS, "--method"),
+        max_choice_chars=max_choice_chars, max_choice_tokens=max_choice_tokens, method=choice(method, METHODS, "--method"),
         cache_budget_bytes=parsed(parse_bytes, cache_budget, "--cache-budget") if cache_budget else None,
     )
     run_server(load(model, dtype, threads, trust_remote_code), served_specs(task, head), settings, log_level)

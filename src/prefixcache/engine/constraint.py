@@ -161,6 +161,19 @@ class ConstrainedRows:
         self._budget = max_new_tokens if constraint.close_within_budget else None
         shortest = self._closing_path(start.deep_copy(), max_new_tokens) if self._budget else []
         self._closing_length = [max_new_tokens if shortest is None else len(shortest)] * batch  # as last measured
+        self.shortest = shortest  # the shortest complete answer's tokens (None: none within the budget; [] unmeasured)
+
+    def check_answerable(self) -> None:
+        """Raise ConstraintError when no answer of at least one token but the end token fits the budget: the
+        grammar admits no finite value (a required recursion), or only the empty text (which is no JSON).
+        Needs ``close_within_budget`` (else nothing was measured and nothing is checked)."""
+        if self._budget is None:
+            return
+        if self.shortest is None:
+            raise ConstraintError(f"the JSON Schema admits no value of at most {self._budget} tokens (a required "
+                                  "recursion has none at all)")
+        if not [token for token in self.shortest if token != self._eos]:
+            raise ConstraintError("the JSON Schema admits only the empty text, which is not JSON")
 
     def mask_(self, logits: torch.Tensor, live: Sequence[int]) -> torch.Tensor:
         """Set the logits ``[b, V]`` of tokens that row ``live[i]`` may not generate next to ``-inf``, in place;

@@ -7,11 +7,15 @@ Records are cut into windows of ``RunConfig.window``, and each window goes throu
    prefix, or in full), or mark it failed; one :class:`WorkItem` per record;
 2. :meth:`~BoundTask.plan`: cut the runnable items into batches over one prefix each
    (length-sorted when a pass takes more than one record);
-3. :meth:`~BoundTask.run`: one engine call per batch (the subclass's ``_forward``);
+3. :meth:`~BoundTask.run`: add the window's items as sequences to one engine loop
+   (:mod:`prefixcache.scheduler.engine_loop`), in the plan's order, and step until all are done, at most a
+   batch's size per step: scoring sequences go to the subclass's ``_forward`` one step's group at a time,
+   generating ones (``_sequences``) run in slots, and a row that finishes is replaced at the next step;
 4. :meth:`~BoundTask.report`: one result per record, in input order, counted into the stats.
 
-A subclass says only how to route a tokenized record (``_route``), run a batch (``_forward``),
-and turn an output or an error into its result (``_result``, ``_failed``, ``_tally``).
+A subclass says only how to route a tokenized record (``_route``), run a batch (``_forward``; a
+generating task makes its own ``_sequences``), and turn an output or an error into its result
+(``_result``, ``_failed``, ``_tally``).
 
 It owns the task's prefix (built once, or looked up in a :class:`~prefixcache.cache.pool.PrefixPool`
 on every access). ``full`` mode gets the empty prefix, so it re-encodes every prompt; the other
@@ -24,7 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from itertools import islice
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence as Seq
 
 from ..cache.kv import PrefixKV
 from ..cache.pool import LookupInfo, PrefixPool
@@ -33,9 +37,19 @@ from ..errors import InputError
 from ..model.load import LoadedModel
 from ..task.prompt import Encoded
 from ..types import Mode, Record, RunConfig, WindowStats
+from .engine_loop import EngineLoop, LoopConfig
+from .sequence import Scores, Sequence
 
 Progress = Callable[[int], None]
+CLI_STEP_TOKENS = 1 << 20  # a record loop bounds a step by its batch size alone (latency is no concern there)
 Batch = tuple[PrefixKV, list["WorkItem"]]  # one engine call: the prefix its rows follow, and the items
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The output of an item whose sequence failed alone in the engine loop (its constraint failed, say)."""
+
+    error: str
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,8 @@ class BoundTask:
     ``stats_type``, and define the methods at the end of this class."""
 
     stats_type: type[WindowStats] = WindowStats  # the counters a run of this task kind keeps
+
+    continuous = True  # run windows through the engine loop; False: static batches (the path it replaced, to compare)
 
     def __init__(self, loaded: LoadedModel, task, pool: PrefixPool | None = None):
         self.loaded = loaded
@@ -120,7 +136,7 @@ class BoundTask:
 
     # --- the four stages ---------------------------------------------------------------------------
 
-    def prepare(self, records: Sequence[Record], config: RunConfig, tokenizer=None) -> list[WorkItem]:
+    def prepare(self, records: Seq[Record], config: RunConfig, tokenizer=None) -> list[WorkItem]:
         """One WorkItem per record, in input order: rendered, tokenized as the full prompt, then routed.
 
         A record the reader marked bad, or whose fields do not fit the template (or, for a
@@ -142,7 +158,7 @@ class BoundTask:
             items.append(self._route(i, records[i], enc, config))
         return sorted(items, key=lambda it: it.index)
 
-    def plan(self, items: Sequence[WorkItem], size: int, stored: PrefixKV) -> Iterator[Batch]:
+    def plan(self, items: Seq[WorkItem], size: int, stored: PrefixKV) -> Iterator[Batch]:
         """Batches of up to ``size`` runnable items, each over one prefix: full re-encodes (and boundary
         fallbacks) after the empty prefix, the rest after ``stored``. With ``size > 1`` items are sorted
         by length to cut padding. Items with an ``error`` are left out (:meth:`report` answers them)."""
@@ -155,7 +171,24 @@ class BoundTask:
             for start in range(0, len(group), size):
                 yield prefix, group[start : start + size]
 
-    def run(self, batches: Iterable[Batch], stats, progress: Progress | None = None) -> dict[int, object]:
+    def run(self, batches: Iterable[Batch], stats, progress: Progress | None = None, continuous: bool | None = None,
+            ) -> dict[int, object]:
+        """Every batch's items as sequences of one engine loop (:mod:`~prefixcache.scheduler.engine_loop`), stepped
+        until all are done, at most a batch's size per step: a generating row that finishes is replaced at the next
+        step. ``continuous=False`` (or ``self.continuous`` False) runs the batches as they are instead, one
+        ``_forward`` call each (the static path, kept to compare). Returns item index -> its output."""
+        batches = list(batches)
+        if not (self.continuous if continuous is None else continuous):
+            return self._run_static(batches, stats, progress)
+        size = max((len(batch) for _, batch in batches), default=1)
+        engine = EngineLoop(self.loaded.model, self.loaded.tokenizer, LoopConfig(CLI_STEP_TOKENS, size))
+        done = (lambda seq: progress(1)) if progress else None
+        seqs = self._sequences(batches, stats, done)
+        engine.run_until_done(seqs)
+        self._count_loop(engine, seqs, stats)
+        return {seq.tag.index: seq.result if seq.error is None else Failure(seq.error) for seq in seqs}
+
+    def _run_static(self, batches: list[Batch], stats, progress: Progress | None) -> dict[int, object]:
         """One ``_forward`` call per batch; item index -> its output."""
         outputs: dict[int, object] = {}
         for prefix, batch in batches:
@@ -164,7 +197,7 @@ class BoundTask:
                 progress(len(batch))
         return outputs
 
-    def report(self, items: Sequence[WorkItem], outputs: dict[int, object], stats, progress: Progress | None = None,
+    def report(self, items: Seq[WorkItem], outputs: dict[int, object], stats, progress: Progress | None = None,
                ) -> list:
         """One result per item, in the items' order (an item with ``error`` gets its error result); counts
         the items into ``stats``."""
@@ -177,7 +210,7 @@ class BoundTask:
         self._tally(stats, items, results)
         return results
 
-    def run_prepared(self, items: Sequence[WorkItem]) -> list:
+    def run_prepared(self, items: Seq[WorkItem]) -> list:
         """Run already prepared ``items`` (from :meth:`prepare`, possibly of several calls) as one batch
         per prefix: the stored prefix (looked up once), and the empty one for full re-encodes.
 
@@ -188,7 +221,8 @@ class BoundTask:
         needs_prefix = any(it.error is None and not it.full for it in items)
         stored = self.prefix if needs_prefix else self._empty
         stats = self.stats_type()
-        return self.report(items, self.run(self.plan(items, max(1, len(items)), stored), stats), stats)
+        outputs = self.run(self.plan(items, max(1, len(items)), stored), stats, continuous=False)
+        return self.report(items, outputs, stats)
 
     # --- what a subclass defines -------------------------------------------------------------------
 
@@ -199,6 +233,27 @@ class BoundTask:
     def _forward(self, prefix: PrefixKV, batch: list[WorkItem], stats) -> list:
         """One engine call for ``batch`` over ``prefix``; one output per item."""
         raise NotImplementedError
+
+    def _sequences(self, batches: list[Batch], stats, on_finish) -> list[Sequence]:
+        """The engine loop's sequences for every item of ``batches``, over its batch's prefix (``tag``: the item),
+        in the batches' order. Here: scoring sequences, whose each step's sequences of one prefix go to one
+        ``_forward`` call; a generating task says otherwise."""
+        want = Scores(_ForwardScorer(self, stats))
+        return [Sequence(prefix, item.rows, want, tag=item, on_finish=on_finish) for prefix, batch in batches for item in batch]
+
+    def _count_loop(self, engine: EngineLoop, seqs: list[Sequence], stats) -> None:
+        """Add what running ``seqs`` through ``engine`` did to ``stats``;
+        here nothing: ``_forward`` counts its own calls."""
+
+
+class _ForwardScorer:
+    """A task's :class:`~prefixcache.scheduler.sequence.Scorer`: one ``_forward`` call, counted into ``stats``."""
+
+    def __init__(self, bound: BoundTask, stats):
+        self.bound, self.stats = bound, stats
+
+    def score(self, prefix: PrefixKV, seqs: Seq[Sequence]) -> list:
+        return self.bound._forward(prefix, [seq.tag for seq in seqs], self.stats)
 
     def _result(self, item: WorkItem, output):
         """The result for an item that ran (``item.boundary_fallback`` says whether it fell back to full)."""

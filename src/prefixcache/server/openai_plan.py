@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..engine.constraint import ANY_OBJECT, JsonConstraint, json_constraint
+from ..engine.constraint import ANY_OBJECT, ConstrainedRows, JsonConstraint, json_constraint
 from ..engine.generate import GenerationConfig, eos_ids_of
 from ..engine.sampling import Sampling, TokenLogprob
 from ..errors import ConstraintError, RequestFieldError
@@ -64,14 +64,46 @@ def plan(runners: OpenAIRunners, settings: ServerSettings, tokenizer, request: C
         param, options = choices
         if constraint is not None:
             raise RequestFieldError(f"send {param} or a JSON response_format, not both", param="response_format")
-        runner = runners.choice(prompt, choices_after(tokenizer, prompt, options, param))
+        runner = runners.choice(prompt, _capped_choices(tokenizer, prompt, options, param, settings))
         return Plan(runner, PromptItem(prompt), True, ())
     config = GenerationConfig(
         max_new_tokens=_token_limit(request, prompt, runners), stop=request.stops(),
         eos_ids=eos_ids_of(runners.loaded.model, tokenizer),
     )
+    if constraint is not None:
+        _check_answerable(constraint, tokenizer, config)
     runner = runners.generate(prompt, config, _sampling(request), constraint)
     return Plan(runner, PromptItem(prompt), False, config.stop)
+
+
+def _check_answerable(constraint: JsonConstraint, tokenizer, config: GenerationConfig) -> None:
+    """Refuse, before any decoding, a schema whose grammar has no complete answer within ``max_tokens``.
+
+    Raises:
+        RequestFieldError: naming ``response_format`` (and ``max_tokens`` when a longer budget would do).
+    """
+    try:
+        ConstrainedRows(constraint, tokenizer, 1, config.eos_ids, config.max_new_tokens).check_answerable()
+    except ConstraintError as exc:
+        raise RequestFieldError(f"response_format: {exc}", param="response_format") from None
+
+
+def _capped_choices(tokenizer, prompt: WholePrompt, options, param: str, settings: ServerSettings):
+    """The choices' tokens after ``prompt``, within ``max_choice_chars`` each and ``max_choice_tokens`` together.
+
+    Raises:
+        RequestFieldError: naming the choice (or ``param``) and the setting it breaks.
+    """
+    for i, option in enumerate(options):
+        if len(option) > settings.max_choice_chars:
+            raise RequestFieldError(f"{param}[{i}] has {len(option)} characters, more than this server's "
+                                    f"max_choice_chars={settings.max_choice_chars}; shorten it", param=f"{param}[{i}]")
+    choices = choices_after(tokenizer, prompt, options, param)
+    total = sum(len(ids) for ids in choices.label_ids.values())
+    if total > settings.max_choice_tokens:
+        raise RequestFieldError(f"the {param} take {total} tokens together, more than this server's "
+                                f"max_choice_tokens={settings.max_choice_tokens}; send fewer or shorter choices", param=param)
+    return choices
 
 
 def response_constraint(request: ChatCompletionRequest | CompletionRequest) -> JsonConstraint | None:

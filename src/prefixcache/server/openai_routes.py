@@ -71,9 +71,11 @@ async def _serve(service: Service, model_name: str, kind, body: bytes, client: s
     chat = kind is ChatCompletionRequest
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        return StreamingResponse(
-            _stream(service, planned, model_name, chat, include_usage, client), media_type="text/event-stream",
-            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        admission = service.batcher.admit(1, client=client)
+        admission.__enter__()  # QueueFullError here is a 429 with Retry-After, before the stream's 200
+        return _AdmittedStream(
+            lambda: admission.__exit__(None, None, None), _stream(service, planned, model_name, chat, include_usage, client),
+            media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )
     with service.batcher.admit(1, client=client):
         result = (await service.batcher.submit(planned.runner, [planned.item], client=client))[0]
@@ -86,30 +88,34 @@ async def _serve(service: Service, model_name: str, kind, body: bytes, client: s
 async def _stream(service: Service, planned: Plan, model_name: str, chat: bool, include_usage: bool,
                   client: str | None) -> AsyncIterator[str]:
     """Server-sent events: a first chunk (the assistant's role), text pieces as tokens arrive, the finish
-    reason, the usage when asked, and ``[DONE]``. An error after the first byte becomes an error event."""
+    reason, the usage when asked, and ``[DONE]``. An error after the first byte becomes an error event; a full
+    queue never does (the caller admits the request before the 200)."""
     chunk = _Chunks(response_id("chatcmpl" if chat else "cmpl"), model_name, chat)
     tokens: asyncio.Queue[int] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     planned.item.on_token = lambda token: loop.call_soon_threadsafe(tokens.put_nowait, token)
     text = _StreamText(service.stream_tokenizer, planned.stops)
-    try:
-        with service.batcher.admit(1, client=client):
-            if chat:
-                yield chunk.event(role="assistant", content="")
-            job = asyncio.ensure_future(service.batcher.submit(planned.runner, [planned.item], client=client))
-            while not job.done() or not tokens.empty():
-                getter = asyncio.ensure_future(tokens.get())
-                await asyncio.wait({getter, job}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    continue
-                piece = text.add(getter.result())
-                if piece:
-                    yield chunk.event(content=piece)
-            result = job.result()[0]
+    job = None
+    try:  # admitted by the caller (_AdmittedStream gives the room back when the response ends)
+        if chat:
+            yield chunk.event(role="assistant", content="")
+        job = asyncio.ensure_future(service.batcher.submit(planned.runner, [planned.item], client=client))
+        while not job.done() or not tokens.empty():
+            getter = asyncio.ensure_future(tokens.get())
+            await asyncio.wait({getter, job}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                continue
+            piece = text.add(getter.result())
+            if piece:
+                yield chunk.event(content=piece)
+        result = job.result()[0]
     except PrefixCacheError as exc:
         yield f"data: {json.dumps(openai_error(str(exc), 500))}\n\n"
         return
+    finally:  # the client went away (the stream was cancelled): its queued item is dropped, never run
+        if job is not None and not job.done():
+            job.cancel()
     rest = text.rest(result["text"])
     if rest:
         yield chunk.event(content=rest)
@@ -117,6 +123,21 @@ async def _stream(service: Service, planned: Plan, model_name: str, chat: bool, 
     if include_usage:
         yield chunk.usage(usage_of(result).model_dump())
     yield "data: [DONE]\n\n"
+
+
+class _AdmittedStream(StreamingResponse):
+    """A stream whose request was admitted before its 200: ``release`` gives the room back when the response ends,
+    however it ends (sent whole, failed, or the client gone, even before the first byte)."""
+
+    def __init__(self, release, content, **kwargs):
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 class _Chunks:

@@ -239,11 +239,21 @@ def parse_request(kind: type[_Common], body: bytes) -> _Common:
             unknown, missing or out of range; ``param`` names the first such field (``messages[1].role``).
     """
     try:
+        return _parse(kind, body)
+    except RecursionError:  # json, the text check or pydantic ran out of stack on a deeply nested body
+        raise RequestFieldError(f"the body is nested deeper than this server parses (at most about {MAX_DEPTH} "
+                                "levels); flatten it") from None
+
+
+def _parse(kind: type[_Common], body: bytes) -> _Common:
+    try:
         data = json.loads(body, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestFieldError(f"the body is not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise RequestFieldError("the body must be a JSON object")
+    if _depth(data) > MAX_DEPTH:
+        raise RequestFieldError(f"the body is nested deeper than {MAX_DEPTH} levels; flatten it")
     _check_text(data, "")
     try:
         return kind.model_validate(data)
@@ -253,6 +263,20 @@ def parse_request(kind: type[_Common], body: bytes) -> _Common:
         if first["type"] == "extra_forbidden":
             raise RequestFieldError(f"unsupported field {param!r}: this server does not implement it", param=param) from None
         raise RequestFieldError(f"field {param!r}: {first['msg']}", param=param) from None
+
+
+MAX_DEPTH = 64  # the deepest nesting a body may have (a schema in response_format is the deepest real one)
+
+
+def _depth(value) -> int:
+    """How deeply ``value`` nests lists and objects (iterative: a hostile depth cannot exhaust the stack here)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _check_text(value, path: str) -> None:

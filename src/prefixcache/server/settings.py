@@ -50,6 +50,9 @@ class ServerSettings:
             (replacing a registered one is allowed); more start-up tasks than this is a SettingsError.
             Each task's prefix lives in the pool, so this bounds the runners, not prefix memory, which
             ``cache_budget_bytes`` does.
+        max_choice_chars: longest ``guided_choice`` choice (or completion choice) in characters (400 naming it
+            above it): whole choices are scored token by token, so their length is the request's cost.
+        max_choice_tokens: most tokens of a request's choices together (400 above it).
         cache_budget_bytes: byte budget of the prefix pool that holds every task's prefix (least recently
             used prefixes are evicted, and rebuilt on their next use, to stay within it; the default is
             :class:`~prefixcache.cache.config.PoolConfig`'s, 256 MiB).
@@ -78,6 +81,8 @@ class ServerSettings:
     max_labels: int = 1000
     max_examples: int = 1000
     max_tasks: int = 100
+    max_choice_chars: int = 200
+    max_choice_tokens: int = 2048
     cache_budget_bytes: int = PoolConfig.budget_bytes
     method: str = "auto"
     api_key: str | None = field(default=None, repr=False)
@@ -85,7 +90,8 @@ class ServerSettings:
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_items", "max_item_tokens", "max_body_bytes", "max_prefix_tokens",
-                     "max_task_bytes", "max_labels", "max_examples", "max_tasks", "cache_budget_bytes"):
+                     "max_task_bytes", "max_labels", "max_examples", "max_tasks", "max_choice_chars", "max_choice_tokens",
+                     "cache_budget_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1, not {getattr(self, name)}")
         for name in ("max_wait_ms", "arrival_gap_ms"):

@@ -1,0 +1,265 @@
+"""The engine loop: every sequence (a record, a request) goes through one scheduler and one :meth:`EngineLoop.step`.
+
+``step()`` is three named stages:
+
+1. :meth:`~EngineLoop.schedule`: drop cancelled sequences, then pick what this step feeds, within
+   ``max_step_tokens`` and ``max_seqs``: every running generating sequence's next token (or the next chunk of
+   a prompt too long for one step), then waiting sequences round-robin by client (a generating one needs a
+   free slot). A scoring sequence is fed whole (alone when it is longer than the budget);
+2. :meth:`~EngineLoop.run`: per prefix, the scoring sequences in one scorer call, and the generating ones in
+   one forward pass over the slot store (:func:`~prefixcache.engine.slot_pass.forward_slots`): new sequences'
+   tokens and running sequences' next tokens packed together;
+3. :meth:`~EngineLoop.postprocess`: a scoring sequence finishes with its output; a generating sequence whose
+   prompt is all fed picks its next token (its own sampling, constraint and stop strings) and finishes or
+   stays running. A finished sequence gives its slot back at once.
+
+A sequence added between steps joins at the next one; one cancelled leaves at the next one, and its slot is
+freed. What a sequence gets does not depend on what shares its steps (invariant 5): rows never see each
+other, sampling is per row (seeded rows draw from their own generator), and a constraint that fails fails
+only its own row.
+
+Not thread-safe: one thread (the CLI's, or the server's model thread) calls ``add`` and ``step``; only
+:meth:`Sequence.cancel` may be called from elsewhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable
+
+import torch
+
+from ..cache.kv import KVShape, PrefixKV
+from ..cache.slots import Feed, SlotStore
+from ..engine.constraint import ConstrainedRows
+from ..engine.generate import RowOutput
+from ..engine.sampling import TokenPicker
+from ..engine.slot_pass import forward_slots
+from ..errors import ConstraintError
+from .sequence import Generate, Sequence, Status
+
+SLOT_ROUND = 64  # slot lengths are rounded up to this many tokens, so a slightly longer record does not regrow
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """Bounds of one step. ``slot_bytes``: the byte budget of the own-token store (it sets the slot count)."""
+
+    max_step_tokens: int = 2048
+    max_seqs: int = 32
+    slot_bytes: int = 512 * 2**20
+
+    def __post_init__(self):
+        if self.max_step_tokens < 1 or self.max_seqs < 1:
+            raise ValueError("max_step_tokens and max_seqs must be at least 1")
+
+
+@dataclass
+class Scheduled:
+    """What one step feeds: each sequence and how many of its pending tokens."""
+
+    items: list[tuple[Sequence, int]] = field(default_factory=list)
+    tokens: int = 0
+
+    def add(self, seq: Sequence, count: int) -> None:
+        self.items.append((seq, count))
+        self.tokens += count
+
+
+@dataclass
+class LoopStats:
+    """Counters of a loop's life: steps taken, forward passes (scorer calls and slot passes), tokens fed."""
+
+    steps: int = 0
+    passes: int = 0
+    tokens_fed: int = 0
+    tokens_generated: int = 0
+
+
+class EngineLoop:
+    """The scheduler and its step over one model. See the module docstring for the contract."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, config: LoopConfig = LoopConfig()):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.store: SlotStore | None = None
+        self.waiting: OrderedDict[Hashable, deque[Sequence]] = OrderedDict()  # client -> its sequences, in turn order
+        self.running: deque[Sequence] = deque()
+        self.stats = LoopStats()
+        self.created = time.perf_counter()  # what a sequence's time to first token counts from
+
+    # --- what callers use ---------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq``; it joins at the next step."""
+        self.waiting.setdefault(seq.client, deque()).append(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drop ``seq`` at the next step (its slot is freed then)."""
+        seq.cancel()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running) or any(self.waiting.values())
+
+    def run_until_done(self, seqs: Iterable[Sequence] = ()) -> None:
+        """Add ``seqs`` and step until nothing is waiting or running."""
+        for seq in seqs:
+            self.add(seq)
+        while self.has_work:
+            self.step()
+
+    def step(self) -> list[Sequence]:
+        """One step: schedule, run, postprocess. Returns the sequences that finished (or left) in it."""
+        left = self._drop_cancelled()
+        plan = self.schedule()
+        if not plan.items:
+            return left
+        outputs = self.run(plan)
+        self.stats.steps += 1
+        return left + self.postprocess(plan, outputs)
+
+    # --- 1. schedule --------------------------------------------------------------------------------
+
+    def schedule(self) -> Scheduled:
+        """Running sequences' next tokens first, then waiting ones round-robin by client, within the budget."""
+        plan, budget = Scheduled(), self.config.max_step_tokens
+        for seq in list(self.running):
+            if len(plan.items) >= self.config.max_seqs or plan.tokens >= budget:
+                break
+            plan.add(seq, min(len(seq.pending()), budget - plan.tokens))
+        self.running.rotate(-len(plan.items))  # who did not fit goes first next step
+        while len(plan.items) < self.config.max_seqs and plan.tokens < budget and self.waiting:
+            client, queue = next(iter(self.waiting.items()))
+            count = self._admit(queue[0], plan, budget)
+            if count is None:
+                break
+            plan.add(queue.popleft(), count)
+            self.waiting.move_to_end(client)  # the next client's turn
+            if not queue:
+                del self.waiting[client]
+        return plan
+
+    def _admit(self, seq: Sequence, plan: Scheduled, budget: int) -> int | None:
+        """How many tokens of waiting ``seq`` this step feeds (taking its slot), or None: it waits."""
+        room = budget - plan.tokens
+        if not seq.generates:  # fed whole: alone when longer than the budget
+            return len(seq.ids) if len(seq.ids) <= room or not plan.items else None
+        if self._store_for(seq).free == 0:
+            return None
+        seq.slot, seq.status = self.store.take(), Status.RUNNING
+        want: Generate = seq.want
+        seq.output, seq.picker = RowOutput(self.tokenizer), TokenPicker(want.sampling, 1, seq.prefix.keys[0].device)
+        self.running.append(seq)
+        return min(len(seq.ids), room)
+
+    def _store_for(self, seq: Sequence) -> SlotStore:
+        """The slot store, made on first need (as many slots as ``slot_bytes`` holds), grown to fit ``seq``."""
+        need = -(-seq.own_tokens // SLOT_ROUND) * SLOT_ROUND
+        if self.store is None:
+            param = next(self.model.parameters())
+            self.store = SlotStore.within(KVShape.of(self.model.config), self.config.slot_bytes, need, param.dtype,
+                                          param.device, self.config.max_seqs)
+        self.store.grow(need)
+        return self.store
+
+    def _drop_cancelled(self) -> list[Sequence]:
+        """Take cancelled sequences out of the queues, free their slots, and tell their callers."""
+        gone = [s for s in self.running if s.cancelled]
+        for client, queue in list(self.waiting.items()):
+            gone += [s for s in queue if s.cancelled]
+            kept = deque(s for s in queue if not s.cancelled)
+            if kept:
+                self.waiting[client] = kept
+            else:
+                del self.waiting[client]
+        for seq in gone:
+            self._finish(seq, Status.CANCELLED, error="cancelled")
+        return gone
+
+    # --- 2. run -------------------------------------------------------------------------------------
+
+    def run(self, plan: Scheduled) -> dict[int, object]:
+        """Per prefix: one scorer call per scorer, one slot pass for the generating rows. ``id(seq)`` -> its output
+        (a scorer's output, or the hidden state ``[H]`` at its last fed token), or an exception for a failed call."""
+        outputs: dict[int, object] = {}
+        groups: dict[tuple, list[tuple[Sequence, int]]] = {}
+        for seq, count in plan.items:
+            key = (id(seq.prefix), id(seq.want.scorer) if not seq.generates else None)
+            groups.setdefault(key, []).append((seq, count))
+        for (_, scorer), group in groups.items():
+            seqs = [seq for seq, _ in group]
+            prefix: PrefixKV = seqs[0].prefix
+            self.stats.passes += 1
+            self.stats.tokens_fed += sum(count for _, count in group)
+            if scorer is not None:
+                outputs.update(zip(map(id, seqs), seqs[0].want.scorer.score(prefix, seqs)))
+                continue
+            feeds = [Feed(seq.slot, seq.fed, seq.pending()[:count]) for seq, count in group]
+            hidden = forward_slots(self.model, prefix, self.store, feeds)  # [B, H]
+            for (seq, count), row in zip(group, hidden):
+                seq.fed += count
+                outputs[id(seq)] = row
+        return outputs
+
+    # --- 3. postprocess -----------------------------------------------------------------------------
+
+    def postprocess(self, plan: Scheduled, outputs: dict[int, object]) -> list[Sequence]:
+        """Finish scoring sequences; let each generating one whose prompt is fed pick its next token."""
+        finished: list[Sequence] = []
+        sampling = [seq for seq, _ in plan.items if seq.generates and not seq.pending()]
+        logits = self._logits([outputs[id(seq)] for seq in sampling])  # [b, V]
+        for seq, _ in plan.items:
+            seq.steps += 1
+            if not seq.generates:
+                self._finish(seq, Status.FINISHED, result=outputs[id(seq)])
+                finished.append(seq)
+        for seq, row in zip(sampling, logits):
+            if self._next_token(seq, row):
+                finished.append(seq)
+        return finished
+
+    def _logits(self, hidden: list[torch.Tensor]) -> torch.Tensor:
+        """The rows' next-token logits ``[b, V]`` through the model's output head, in one product."""
+        if not hidden:
+            return torch.empty(0)
+        with torch.inference_mode():
+            return self.model.get_output_embeddings()(torch.stack(hidden))
+
+    def _next_token(self, seq: Sequence, logits: torch.Tensor) -> bool:
+        """Pick ``seq``'s next token from ``logits`` ``[V]`` (masked by its constraint); True when it finished."""
+        want: Generate = seq.want
+        try:
+            if want.constraint is not None and seq.rules is None:
+                seq.rules = ConstrainedRows(want.constraint, self.tokenizer, 1, want.config.eos_ids,
+                                            want.config.max_new_tokens)
+            row = logits[None].clone() if seq.rules is not None else logits[None]  # [1, V]
+            if seq.rules is not None:
+                seq.rules.mask_(row, [0])
+            token, logprobs = seq.picker.pick(row, [0])
+            on_token = None if seq.on_token is None else (lambda _row, tok: seq.on_token(seq, tok))
+            done = seq.output.add(int(token[0]), logprobs[0] if logprobs else None, self.tokenizer, want.config,
+                                  on_token, 0, seq.rules)
+        except ConstraintError as exc:  # this row's grammar failed: it alone fails
+            self._finish(seq, Status.FAILED, error=str(exc))
+            return True
+        self.stats.tokens_generated += 1
+        if not seq.generated:
+            seq.first_token_at = time.perf_counter()
+        seq.generated.append(int(token[0]))
+        if done:
+            self._finish(seq, Status.FINISHED, result=seq.output.generation)
+        return done
+
+    def _finish(self, seq: Sequence, status: Status, result=None, error: str | None = None) -> None:
+        """Record how ``seq`` ended, give its slot back, take it off the running queue, tell its caller."""
+        seq.status, seq.result, seq.error = status, result, error
+        if seq.slot is not None:
+            self.store.give(seq.slot)
+            seq.slot = None
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.on_finish is not None:
+            seq.on_finish(seq)
+

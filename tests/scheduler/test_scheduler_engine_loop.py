@@ -1,0 +1,239 @@
+"""The engine loop (scheduler/engine_loop.py) and its slot store (cache/slots.py).
+
+Invariant 5: a sequence's result does not depend on its neighbours. A random mix of scoring and generating
+sequences (greedy and seeded sampling, with and without a JSON-schema constraint, two prefixes), joining at
+random steps under a random step budget, gets exactly what each gets alone. Then the scheduling rules: the
+token budget, round-robin by client, chunked prefill, cancellation freeing the slot, and the slot store's
+take/give contract.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from prefixcache.cache.kv import KVShape, PrefixKV
+from prefixcache.cache.slots import Feed, SlotStore
+from prefixcache.engine.constraint import json_constraint
+from prefixcache.engine.forward import score_rows
+from prefixcache.engine.generate import GenerationConfig, eos_ids_of, generate_rows
+from prefixcache.engine.rows import run_padded
+from prefixcache.engine.sampling import Sampling
+from prefixcache.engine.scoring import LabelScorer
+from prefixcache.engine.slot_pass import forward_slots
+from prefixcache.scheduler.engine_loop import EngineLoop, LoopConfig
+from prefixcache.scheduler.sequence import Generate, Scores, Sequence, Status
+from prefixcache.task.prompt import build_prompt
+
+import pytest
+
+from tests.support.models import tiny_loaded
+
+LOADED = tiny_loaded("llama")
+SCHEMA = json_constraint({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})
+PREFIXES = [PrefixKV.build(LOADED.model, list(range(5, 25))), PrefixKV.build(LOADED.model, list(range(40, 47)))]
+
+
+class RowScorer:
+    """First-token label scores of each sequence's rows, as one ``score_rows`` call per step and prefix."""
+
+    def __init__(self, task):
+        self.head = LabelScorer(LOADED.model, build_prompt(task, LOADED.tokenizer), "first-token")
+        self.calls: list[int] = []
+
+    def score(self, prefix, seqs):
+        self.calls.append(len(seqs))
+        return list(score_rows(LOADED.model, prefix, [s.ids for s in seqs], self.head))
+
+
+def _want(kind: int, budget: int, scorer):
+    config = GenerationConfig(budget, ("xy",), eos_ids_of(LOADED.model, LOADED.tokenizer))
+    return [Scores(scorer), Generate(config), Generate(config, Sampling(temperature=0.9, seed=7)),
+            Generate(config, constraint=SCHEMA)][kind]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.allclose(a, b, atol=1e-5)
+    return (a.token_ids, a.text, a.finish) == (b.token_ids, b.text, b.finish)
+
+
+spec = st.tuples(
+    st.integers(0, 3),  # what it wants
+    st.integers(0, 1),  # which prefix
+    st.lists(st.integers(30, 300), min_size=1, max_size=12),  # its own tokens
+    st.integers(1, 8),  # max_new_tokens
+    st.integers(0, 6),  # the step it joins at
+    st.integers(0, 2),  # its client
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(specs=st.lists(spec, min_size=1, max_size=7), step_tokens=st.integers(1, 24), max_seqs=st.integers(1, 5))
+def test_a_sequence_gets_what_it_gets_alone(task, specs, step_tokens, max_seqs):
+    scorer = RowScorer(task)
+    def make(s):
+        kind, p, ids, budget, _, client = s
+        return Sequence(PREFIXES[p], ids, _want(kind, budget, scorer), client=client)
+    alone = []
+    for s in specs:
+        seq = make(s)
+        EngineLoop(LOADED.model, LOADED.tokenizer).run_until_done([seq])
+        alone.append(seq)
+    loop = EngineLoop(LOADED.model, LOADED.tokenizer, LoopConfig(step_tokens, max_seqs, 2**20))
+    mixed = [make(s) for s in specs]
+    for step in range(7):
+        for seq, s in zip(mixed, specs):
+            if s[4] == step:
+                loop.add(seq)
+        loop.step()
+    loop.run_until_done()
+    for i, (a, m) in enumerate(zip(alone, mixed)):
+        assert a.status == m.status == Status.FINISHED, f"sequence {i}: {a.status} alone, {m.status} mixed"
+        assert _same(a.result, m.result), f"sequence {i} ({specs[i]}) got {m.result} mixed, {a.result} alone"
+    assert loop.store is None or loop.store.free == loop.store.slots, "every slot is given back"
+
+
+def test_generation_equals_the_static_decoder(task):
+    """The loop's tokens are generate_rows's, greedy, sampled and constrained (the path it replaces)."""
+    config = GenerationConfig(9, (), eos_ids_of(LOADED.model, LOADED.tokenizer))
+    rows = [[30 + i for i in range(n)] for n in (3, 9, 1, 5)]
+    for want in (Generate(config), Generate(config, Sampling(temperature=0.7, seed=2)), Generate(config, constraint=SCHEMA)):
+        ref, _ = generate_rows(LOADED.model, LOADED.tokenizer, PREFIXES[0], rows, config, want.sampling, constraint=want.constraint)
+        seqs = [Sequence(PREFIXES[0], r, want) for r in rows]
+        EngineLoop(LOADED.model, LOADED.tokenizer, LoopConfig(6, 2)).run_until_done(seqs)
+        assert [s.result.token_ids for s in seqs] == [g.token_ids for g in ref]
+
+
+def test_the_step_budget_bounds_tokens_and_chunks_a_long_prompt():
+    config = GenerationConfig(3)
+    loop = EngineLoop(LOADED.model, LOADED.tokenizer, LoopConfig(max_step_tokens=4, max_seqs=8))
+    long = Sequence(PREFIXES[0], list(range(30, 40)), Generate(config), client="a")
+    loop.add(long)
+    fed = []
+    while loop.has_work:
+        plan = loop.schedule()
+        fed.append(plan.tokens)
+        assert plan.tokens <= 4, "a step never feeds more than max_step_tokens"
+        loop.postprocess(plan, loop.run(plan))
+    assert fed[:3] == [4, 4, 2], "the 10-token prompt is fed in chunks of the budget"
+    assert long.result.token_ids == Sequence_alone(long.ids, config).result.token_ids
+
+
+def Sequence_alone(ids, config):
+    seq = Sequence(PREFIXES[0], ids, Generate(config))
+    EngineLoop(LOADED.model, LOADED.tokenizer).run_until_done([seq])
+    return seq
+
+
+def test_waiting_sequences_are_picked_round_robin_by_client(task):
+    scorer = RowScorer(task)
+    loop = EngineLoop(LOADED.model, LOADED.tokenizer, LoopConfig(max_step_tokens=1000, max_seqs=2))
+    flood = [Sequence(PREFIXES[0], [30, 31], Scores(scorer), client="flood", tag=i) for i in range(6)]
+    lone = Sequence(PREFIXES[0], [32], Scores(scorer), client="lone", tag="lone")
+    for seq in flood:
+        loop.add(seq)
+    loop.add(lone)
+    first = loop.step()
+    assert lone in first, f"the lone client's sequence goes in the first step beside the flood, got {first}"
+    assert scorer.calls == [2], "one scorer call per step and prefix, of at most max_seqs sequences"
+
+
+def test_a_scoring_sequence_longer_than_the_budget_runs_alone(task):
+    scorer = RowScorer(task)
+    loop = EngineLoop(LOADED.model, LOADED.tokenizer, LoopConfig(max_step_tokens=3, max_seqs=4))
+    seqs = [Sequence(PREFIXES[0], list(range(30, 38)), Scores(scorer)), Sequence(PREFIXES[0], [31], Scores(scorer))]
+    loop.run_until_done(seqs)
+    assert scorer.calls == [1, 1]
+
+
+def test_cancelling_frees_the_slot_at_the_next_step():
+    config = GenerationConfig(50)
+    loop = EngineLoop(LOADED.model, LOADED.tokenizer, LoopConfig(max_seqs=2))
+    seqs = [Sequence(PREFIXES[0], [30, 31, 32], Generate(config)) for _ in range(2)]
+    for seq in seqs:
+        loop.add(seq)
+    loop.step()
+    assert loop.store.free == loop.store.slots - 2
+    seqs[0].cancel()
+    left = loop.step()
+    assert seqs[0] in left and seqs[0].status == Status.CANCELLED
+    assert loop.store.free == loop.store.slots - 1 and seqs[0].slot is None
+    assert seqs[0] not in loop.running
+    waiting = Sequence(PREFIXES[0], [30], Generate(config))
+    loop.add(waiting)
+    waiting.cancel()
+    assert waiting in loop.step() and waiting.status == Status.CANCELLED and waiting.generated == []
+
+
+def test_a_row_whose_constraint_fails_fails_alone(monkeypatch):
+    config = GenerationConfig(6)
+    bad = Sequence(PREFIXES[0], [30, 31], Generate(config, constraint=SCHEMA))
+    good = Sequence(PREFIXES[0], [30, 32], Generate(config))
+    from prefixcache.engine import constraint
+    def broken(self, logits, live):
+        raise constraint.ConstraintError("the grammar matcher failed")
+    monkeypatch.setattr(constraint.ConstrainedRows, "mask_", broken)
+    EngineLoop(LOADED.model, LOADED.tokenizer).run_until_done([bad, good])
+    assert bad.status == Status.FAILED and "grammar" in bad.error
+    assert good.status == Status.FINISHED and len(good.result.token_ids) >= 1
+
+
+def test_slot_store_take_give_and_budget():
+    shape = KVShape.of(LOADED.model.config)
+    store = SlotStore.within(shape, shape.nbytes(32, 4) * 3 + 5, 32, torch.float32, "cpu", max_slots=10)
+    assert store.slots == 3, "the byte budget sets the slot count"
+    assert store.nbytes <= shape.nbytes(32, 4) * 3 + 5
+    assert [store.take(), store.take()] == [0, 1]
+    store.give(0)
+    assert store.take() == 0, "the lowest free slot is taken first"
+    with pytest.raises(ValueError):
+        store.give(2)
+    with pytest.raises(ValueError):
+        SlotStore.within(shape, 10, 32, torch.float32, "cpu", max_slots=4)
+
+
+def test_slot_pass_reads_gathered_slots_exactly():
+    """Rows in far-apart slots (gathered, not a view) and a row in two chunks compute what a padded pass does."""
+    store = SlotStore(KVShape.of(LOADED.model.config), 12, 16, torch.float32, "cpu")
+    rows = [[30, 31, 32, 33, 34], [40, 41], [50, 51, 52]]
+    ref = run_padded(LOADED.model, PREFIXES[0], rows).last
+    first = forward_slots(LOADED.model, PREFIXES[0], store, [Feed(11, 0, (30, 31)), Feed(0, 0, (40, 41)), Feed(5, 0, (50, 51, 52))])
+    second = forward_slots(LOADED.model, PREFIXES[0], store, [Feed(11, 2, (32, 33, 34))])
+    assert torch.allclose(first[1], ref[1], atol=1e-5) and torch.allclose(first[2], ref[2], atol=1e-5)
+    assert torch.allclose(second[0], ref[0], atol=1e-5)
+    with pytest.raises(ValueError):
+        forward_slots(LOADED.model, PREFIXES[0], store, [Feed(1, 14, (1, 2, 3))])
+
+
+def test_an_extraction_whose_constraint_fails_is_an_error_for_that_record_only(monkeypatch):
+    """Through the record loop: one record's grammar fails mid-pass; it gets an error naming it, its window-mates
+    get exactly the outputs they get when nothing fails, and static batches (the old path) give those too."""
+    from tests.support.tasks import EXTRACT_YAML, TEXTS
+    from prefixcache.bench.extract_lanes import loop_twin
+    from prefixcache.engine import constraint
+    from prefixcache.scheduler.classify import records_from_texts
+    from prefixcache.scheduler.extract import Extractor
+    from prefixcache.task.definition import parse_task
+    from prefixcache.types import RunConfig
+
+    static = Extractor(LOADED, parse_task(EXTRACT_YAML, "x.yaml", kinds=("extract",)))
+    extractor = loop_twin(static)  # extraction runs static batches by default; this is the loop's path
+    records = records_from_texts(TEXTS[:5])
+    clean = extractor.extract_all(records, RunConfig("batched", 3))
+    assert [e.to_json() for e in static.extract_all(records, RunConfig("batched", 3))] == [
+        e.to_json() for e in clean]
+    original, seen = constraint.ConstrainedRows.mask_, []  # the rows' grammars, in the order they first mask
+
+    def fails_on_the_third_row(self, logits, live):
+        if self not in seen:
+            seen.append(self)
+        if seen.index(self) == 2:
+            raise constraint.ConstraintError("the grammar matcher failed")
+        return original(self, logits, live)
+
+    monkeypatch.setattr(constraint.ConstrainedRows, "mask_", fails_on_the_third_row)
+    broken = extractor.extract_all(records, RunConfig("batched", 3))
+    failed = [i for i, e in enumerate(broken) if e.error is not None and "grammar matcher" in e.error]
+    assert len(failed) == 1 and repr(records[failed[0]].id) in broken[failed[0]].error
+    assert all(broken[i].to_json() == clean[i].to_json() for i in range(5) if i not in failed)

@@ -1,0 +1,128 @@
+"""Hostile requests from a key holder (issue 37): a body nested past what the parser takes is a 400 in the
+route's error shape, never a 500; a stream refused for a full queue is a 429 with Retry-After before any 200,
+never an error event after it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from tests.support.models import tiny_loaded
+from tests.server.live import TASK, call, serving
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return tiny_loaded("llama")
+
+
+def nested_stop(depth: int) -> bytes:
+    body = '{"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "stop": ' + "[" * depth + '"x"' + "]" * depth + "}"
+    return body.encode()
+
+
+@pytest.mark.parametrize("depth", [70, 995, 20_000])
+def test_a_deeply_nested_body_is_a_400_in_openai_shape(loaded, task, depth):
+    with serving(loaded, [task]) as server:
+        status, _, body = call(server, "POST", "/v1/chat/completions", raw=nested_stop(depth),
+                               headers={"Content-Type": "application/json"})
+        assert status == 400, body
+        assert body["error"]["type"] == "invalid_request_error" and "nested deeper" in body["error"]["message"], body
+        ok = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert call(server, "POST", "/v1/chat/completions", ok)[0] == 200, "the server goes on"
+
+
+def test_a_stream_refused_for_a_full_queue_is_a_429_before_the_200(loaded, task):
+    with serving(loaded, [task], max_queue=3, max_items=3, max_batch=64, max_wait_ms=1500, arrival_gap_ms=1500) as server:
+        first: list = []
+        holder = threading.Thread(target=lambda: first.append(call(server, "POST", "/v1/classify", {"task": TASK, "items": ["a", "b", "c"]})))
+        holder.start()
+        deadline = time.monotonic() + 10
+        while call(server, "GET", "/v1/stats")[2]["in_progress"] < 3:
+            assert time.monotonic() < deadline, "the first request never reached the queue"
+            time.sleep(0.01)
+        stream = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+        status, headers, body = call(server, "POST", "/v1/chat/completions", stream)
+        holder.join()
+        assert status == 429, body
+        assert int(headers["retry-after"]) >= 1 and body["error"]["type"] == "rate_limit_exceeded", body
+        assert first[0][0] == 200
+        status, _, text = call(server, "POST", "/v1/chat/completions", stream)
+        assert status == 200 and "[DONE]" in text, text
+        assert call(server, "GET", "/v1/stats")[2]["in_progress"] == 0, "a finished stream gives its room back"
+
+
+def test_guided_choice_is_capped_by_settings_named_in_the_400(loaded, task):
+    with serving(loaded, [task], max_choice_chars=40, max_choice_tokens=60) as server:
+        ask = {"model": "tiny-llama", "messages": [{"role": "user", "content": "route this ticket "}]}
+        long = dict(ask, guided_choice=["billing", "b" * 41])
+        status, _, body = call(server, "POST", "/v1/chat/completions", long)
+        assert status == 400 and "max_choice_chars=40" in body["error"]["message"], body
+        assert body["error"]["param"] == "guided_choice[1]", body
+        many = dict(ask, guided_choice=[f"choice number {i} of many" for i in range(12)])
+        status, _, body = call(server, "POST", "/v1/chat/completions", many)
+        assert status == 400 and "max_choice_tokens=60" in body["error"]["message"], body
+        status, _, body = call(server, "POST", "/v1/chat/completions", dict(ask, guided_choice=["billing", "account"]))
+        assert status == 200 and body["choices"][0]["message"]["content"] in ("billing", "account"), body
+
+
+@pytest.mark.parametrize("schema, why", [
+    ({"$ref": "#"}, "only the empty text"),
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "admits no value"),
+])
+def test_a_schema_with_no_finite_answer_is_a_400_before_decoding(loaded, task, schema, why):
+    with serving(loaded, [task]) as server:
+        ask = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+        status, _, body = call(server, "POST", "/v1/chat/completions", ask)
+        assert status == 400 and why in body["error"]["message"], body
+        assert body["error"]["param"] == "response_format"
+        fine = dict(ask, response_format={"type": "json_object"})
+        status, _, body = call(server, "POST", "/v1/chat/completions", fine)
+        assert status == 200 and json.loads(body["choices"][0]["message"]["content"]) is not None, body
+
+
+def test_streams_dropped_while_queued_are_never_run(loaded, task, monkeypatch):
+    """While the model thread is held, five streams are opened, read to their first event and dropped: their
+    queued items leave the queue and never run (only the request that held the model is counted)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from prefixcache.server import openai_runners
+    from tests.server.live import metric, metric_samples
+
+    release, original = threading.Event(), openai_runners.GenerateRunner.run
+
+    def held_once(self, items):
+        release.wait(60)
+        return original(self, items)
+
+    monkeypatch.setattr(openai_runners.GenerateRunner, "run", held_once)
+    ask = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with serving(loaded, [task], max_batch=1, arrival_gap_ms=1) as server:
+        before = metric(metric_samples(server), "prefixcache_items_total", task="openai", kind="generate")
+        holder = threading.Thread(target=lambda: call(server, "POST", "/v1/chat/completions", ask))
+        holder.start()
+        url = urlparse(server.url)
+        body = json.dumps(dict(ask, stream=True)).encode()
+        for _ in range(5):
+            with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                received = b""
+                while b"data:" not in received:  # the headers, then the stream's first event
+                    chunk = sock.recv(4096)
+                    assert chunk, f"the stream ended before its first event: {received!r}"
+                    received += chunk
+        deadline = time.monotonic() + 30
+        while call(server, "GET", "/v1/stats")[2]["in_progress"] > 1:  # every dropped stream's response has ended
+            assert time.monotonic() < deadline, "the dropped streams never gave their room back"
+            time.sleep(0.05)
+        release.set()
+        holder.join()
+        samples = metric_samples(server)
+    ran = metric(samples, "prefixcache_items_total", task="openai", kind="generate") - before  # the registry is the process's
+    assert ran == 1, "dropped streams ran"
