@@ -27,6 +27,7 @@ from prefixcache.scaleout.ray import run_ray_classify  # noqa: E402
 DIFFERENT_MEANING = {
     ("serve", "task"),  # serve takes a list of tasks
     ("bench", "batch_size"),  # bench sweeps its own batch sizes
+    ("verify", "dtype"),  # verify is an exactness check: float32 by default (README), whatever auto picks
 }
 SKIP_VALUES = (None, False)  # "not given" defaults carry no value to drift
 
