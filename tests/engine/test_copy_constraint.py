@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from prefixcache.engine.constraint import json_constraint

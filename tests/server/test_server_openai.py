@@ -22,7 +22,7 @@ from prefixcache.server import ServerSettings, ServerThread, create_app
 from prefixcache.task.prompt import SENTINEL, input_lead, render_messages
 
 
-from tests.support.tasks import TASK_YAML, TEXTS
+from tests.support.tasks import TEXTS
 from tests.server.live import call, metric, metric_samples
 
 KEY = "openai-test-key"

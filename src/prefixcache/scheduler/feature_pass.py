@@ -162,26 +162,27 @@ def collect_features(
     """
     collector = FeatureCollector(loaded, task, feature, pool)
     config = RunConfig(mode, batch_size, window, overflow)
+    rows = collector.collect(records, config, progress)
+    return feature_set(rows, loaded, collector.spec, collector.label_rows.labels, collector.prompt.prefix_ids)
+
+
+def feature_set(rows: Iterable[RowFeatures], loaded: LoadedModel, spec: FeatureSpec, labels: list[str],
+                prefix_ids: list[int]) -> FeatureSet:
+    """The rows of one feature pass gathered into a :class:`FeatureSet` (rows with an error kept by id only)."""
     ids, features, logprobs, hashes, errors = [], [], [], [], {}
-    for row in collector.collect(records, config, progress):
+    for row in rows:
         if row.error is not None:
             errors[row.id] = row.error
             continue
         ids.append(row.id)
-        features.append(row.features)
-        logprobs.append(row.prompt_logprobs)
+        features.append(row.features)  # [F]
+        logprobs.append(row.prompt_logprobs)  # [labels]
         hashes.append(row.text_hash)
-    width = collector.spec.width(loaded.model.config.get_text_config(decoder=True).hidden_size)
-    labels = collector.label_rows.labels
+    width = spec.width(loaded.model.config.get_text_config(decoder=True).hidden_size)
     return FeatureSet(
         ids=ids,
         features=torch.stack(features).float().numpy() if features else np.zeros((0, width), np.float32),
         prompt_logprobs=torch.stack(logprobs).float().numpy() if logprobs else np.zeros((0, len(labels)), np.float32),
-        labels=labels,
-        feature=str(collector.spec),
-        prefix_hash=token_hash(collector.prompt.prefix_ids),
-        model_identity=loaded.identity,
-        errors=errors,
-        text_hashes=hashes,
-        dtype=str(loaded.dtype).removeprefix("torch."),
+        labels=labels, feature=str(spec), prefix_hash=token_hash(prefix_ids), model_identity=loaded.identity,
+        errors=errors, text_hashes=hashes, dtype=str(loaded.dtype).removeprefix("torch."),
     )

@@ -17,10 +17,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterable
 
-import numpy as np
 import torch
 
-from ..cache.disk import token_hash
 from ..cache.kv import PrefixKV
 from ..engine.features import FeatureSpec, packed_features
 from ..engine.head_file import text_hash
@@ -29,7 +27,7 @@ from ..model.load import LoadedModel
 from ..task.definition import ExtractTask
 from ..task.extract_prompt import build_extract_prompt
 from ..types import RunConfig, WindowStats
-from .feature_pass import FeatureSet, RowFeatures
+from .feature_pass import FeatureSet, RowFeatures, feature_set
 from .loop import BoundTask, WorkItem
 
 FIELD_FEATURE = "last"  # the prefill's own state: a field head is applied at no extra pass
@@ -87,21 +85,5 @@ def collect_field_features(
         InputError: ``field`` is not a choice field of ``task``.
     """
     collector = FieldFeatureCollector(loaded, task, field)
-    ids, features, logprobs, hashes, errors = [], [], [], [], {}
-    for row in collector._stream(records, RunConfig("batched", batch_size), progress, collector.stats_type()):
-        if row.error is not None:
-            errors[row.id] = row.error
-            continue
-        ids.append(row.id)
-        features.append(row.features)
-        logprobs.append(row.prompt_logprobs)
-        hashes.append(row.text_hash)
-    width = collector.spec.width(loaded.model.config.get_text_config(decoder=True).hidden_size)
-    return FeatureSet(
-        ids=ids,
-        features=torch.stack(features).float().numpy() if features else np.zeros((0, width), np.float32),
-        prompt_logprobs=torch.stack(logprobs).float().numpy() if logprobs else np.zeros((0, len(collector.labels)), np.float32),
-        labels=collector.labels, feature=str(collector.spec), prefix_hash=token_hash(collector.prompt.prefix_ids),
-        model_identity=loaded.identity, errors=errors, text_hashes=hashes,
-        dtype=str(loaded.dtype).removeprefix("torch."),
-    )
+    rows = collector._stream(records, RunConfig("batched", batch_size), progress, collector.stats_type())
+    return feature_set(rows, loaded, collector.spec, collector.labels, collector.prompt.prefix_ids)
