@@ -14,12 +14,13 @@ This module knows nothing about sequences, sampling or tasks: only slots, token 
 
 from __future__ import annotations
 
+import functools
 import heapq
+import sys
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
 
 from ..attention.shared_prefix import Packing, SharedKV
 from .kv import KVShape, PrefixKV
@@ -155,13 +156,12 @@ def _own_mask(lengths: list[int], ends: list[int], width: int, span: int, device
     return (torch.arange(span, device=device)[None, None, :] <= reach[:, :, None])[:, None]  # [R, 1, T, S]
 
 
-class _SlotLayer(DynamicLayer):
+class _SlotLayer:
     """One layer of a :class:`SlotCache`: writes the step's keys/values into the store, hands (prefix, slots) on."""
 
     is_croppable = False
 
     def __init__(self, index: int, prefix: PrefixKV, store: SlotStore, layout: SlotLayout):
-        super().__init__()
         self.index, self.store, self.layout = index, store, layout
         self.prefix_keys, self.prefix_values = prefix.keys[index], prefix.values[index]  # [1, kv, P, d], read only
         self.device = store.device
@@ -179,8 +179,40 @@ class _SlotLayer(DynamicLayer):
         return self.prefix_keys.shape[-2]
 
 
-class SlotCache(Cache):
-    """The cache object of one step's forward pass over one prefix: the prefix by reference, own tokens in slots."""
+class _PlainSlotCache:
+    """The cache object of one step's forward pass over one prefix: the prefix by reference, own tokens in slots.
+    Plain for the lean decoder; :func:`SlotCache` makes it a transformers ``Cache`` too once transformers is loaded
+    (as :meth:`PrefixKV.fork` does), so the lean path never imports transformers."""
 
-    def __init__(self, prefix: PrefixKV, store: SlotStore, layout: SlotLayout):
-        super().__init__(layers=[_SlotLayer(i, prefix, store, layout) for i in range(len(prefix.keys))])
+    def __init__(self, layers: list[_SlotLayer]):
+        self.layers = layers
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length()
+
+
+def SlotCache(prefix: PrefixKV, store: SlotStore, layout: SlotLayout):  # noqa: N802 (a class, built per kind)
+    """One step's cache over ``prefix`` and the ``store``'s slots placed by ``layout``."""
+    layer_class, cache_class = _slot_classes("transformers" in sys.modules)
+    return cache_class([layer_class(i, prefix, store, layout) for i in range(len(prefix.keys))])
+
+
+@functools.cache
+def _slot_classes(transformers_loaded: bool) -> tuple[type, type]:
+    if not transformers_loaded:
+        return _SlotLayer, _PlainSlotCache
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class TransformersSlotLayer(_SlotLayer, DynamicLayer):
+        def __init__(self, *args, **kwargs):
+            DynamicLayer.__init__(self)
+            _SlotLayer.__init__(self, *args, **kwargs)
+
+    class TransformersSlotCache(_PlainSlotCache, Cache):
+        def __init__(self, layers: list[_SlotLayer]):
+            Cache.__init__(self, layers=layers)
+
+    return TransformersSlotLayer, TransformersSlotCache

@@ -26,8 +26,6 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 import numpy as np
-from scipy.optimize import minimize_scalar
-from scipy.special import log_softmax
 
 from ..types import LabelScores, Prediction
 
@@ -51,6 +49,8 @@ class Calibration:
 
     def apply(self, logprobs) -> np.ndarray:
         """Calibrated log-probs. ``logprobs [..., L]`` (any log-probs or logits) -> ``[..., L]`` float64, normalized."""
+        from scipy.special import log_softmax  # here: scipy loads only when a temperature is applied
+
         return log_softmax(np.asarray(logprobs, np.float64) / self.temperature, axis=-1)
 
     def scores(self, scores: LabelScores) -> LabelScores:
@@ -83,6 +83,9 @@ def fit_temperature(logprobs, gold) -> Calibration:
     y = np.asarray(gold, np.int64)
     if x.ndim != 2 or len(x) == 0 or y.shape != (len(x),):
         raise ValueError(f"fit_temperature needs logprobs [N, L] and gold [N] with N >= 1, got {x.shape} and {y.shape}")
+    from scipy.optimize import minimize_scalar
+    from scipy.special import log_softmax
+
     rows = np.arange(len(y))
 
     def nll(log_t: float) -> float:

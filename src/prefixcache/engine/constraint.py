@@ -37,12 +37,14 @@ import json
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import llguidance
 import torch
 
 from ..errors import ConstraintError
+
+if TYPE_CHECKING:  # annotations only: llguidance itself loads where a grammar is built
+    import llguidance
 
 DEFAULT_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # json.dumps' layout
 ANY_OBJECT: dict = {"type": "object"}  # OpenAI's ``json_object``: any JSON object
@@ -89,6 +91,8 @@ def json_constraint(schema: dict | bool, close_within_budget: bool = True) -> Js
 
 @functools.lru_cache(maxsize=256)
 def _compile(text: str, close_within_budget: bool) -> JsonConstraint:
+    import llguidance  # here, not at the top: a command that never constrains decoding does not load it
+
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=DEFAULT_LAYOUT)
     except ValueError as exc:
@@ -130,6 +134,8 @@ def _grammar_view(tokenizer, eos) -> llguidance.LLTokenizer:
     backend = copy.copy(backend)  # the copy serializes without padding or truncation; the tokenizer keeps its own
     backend.no_padding()
     backend.no_truncation()
+    import llguidance
+
     try:
         return llguidance.LLTokenizer(backend.to_str(), eos_token=eos)
     except ValueError as exc:  # a pipeline the grammar engine cannot invert (a WordPiece decoder, say)
@@ -147,6 +153,8 @@ class ConstrainedRows:
     """
 
     def __init__(self, constraint: JsonConstraint, tokenizer, batch: int, eos_ids: frozenset[int], max_new_tokens: int):
+        import llguidance
+
         self._tokenizer = grammar_tokenizer(tokenizer, eos_ids)
         start = llguidance.LLMatcher(self._tokenizer, constraint.grammar, log_level=0)
         if start.is_error():
