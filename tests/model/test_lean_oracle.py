@@ -37,7 +37,8 @@ def configs(draw):
     )
     theta = draw(st.sampled_from([100.0, 10000.0, 1e6]))
     rope = {"rope_type": "default", "rope_theta": theta}
-    hidden = heads * head_dim if family == "qwen2" else draw(st.sampled_from([24, 32]))
+    # transformers requires heads to divide the hidden size; outside Qwen2 head_dim is still free of it
+    hidden = heads * head_dim if family == "qwen2" else heads * draw(st.sampled_from([8, 12]))
     if family != "qwen2":
         common["head_dim"] = head_dim
     if family == "llama3":

@@ -45,9 +45,10 @@ def load_calibration(path: str | Path) -> dict:
         document = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"calibration file {str(path)!r} cannot be read ({exc}); write one with "
-                         "`prefixcache fit --prompt-only`") from exc
+                         f"`prefixcache fit` with {setting('prompt_only')}") from exc
     if not isinstance(document, dict) or document.get("format") != FORMAT:
-        raise InputError(f"{str(path)!r} is not a prefixcache calibration file; write one with `prefixcache fit --prompt-only`")
+        raise InputError(f"{str(path)!r} is not a prefixcache calibration file; write one with `prefixcache fit` with "
+                         f"{setting('prompt_only')}")
     return document
 
 
@@ -69,7 +70,8 @@ def choose_threshold(rows, min_confidence: float | None, target_accuracy: float 
         return min_confidence, None
     if rows is None:
         raise InputError(f"{setting('target_accuracy')} chooses a threshold on a head's out-of-fold predictions or a "
-                         f"calibration file's rows, and there are none: fit a head (or `prefixcache fit --prompt-only`), "
+                         f"calibration file's rows, and there are none: fit a head (or a calibration file: `prefixcache fit` "
+                         f"with {setting('prompt_only')}), "
                          f"or give {setting('min_confidence')}")
     found = threshold_for_accuracy(*rows, target_accuracy)
     if found is None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterable, Iterator, Sequence
 
-from ..errors import InputError
+from ..errors import InputError, setting
 from ..types import Prediction, Record
 from .jsonl import write_line
 
@@ -115,12 +115,12 @@ def parse_keep(keep_fields: str | None, keep_input: bool) -> tuple[str, ...]:
         InputError: both given, or an empty name.
     """
     if keep_input and keep_fields:
-        raise InputError("give --keep-fields or --keep-input, not both")
+        raise InputError(f"give {setting('keep_fields')} or {setting('keep_input')}, not both")
     if keep_input:
         return (ALL_FIELDS,)
     names = tuple(name.strip() for name in (keep_fields or "").split(",")) if keep_fields else ()
     if any(not name for name in names):
-        raise InputError(f"--keep-fields {keep_fields!r} has an empty name; write names separated by commas")
+        raise InputError(f"{setting('keep_fields')} {keep_fields!r} has an empty name; write names separated by commas")
     return names
 
 

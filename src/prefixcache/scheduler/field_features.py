@@ -22,7 +22,7 @@ import torch
 from ..cache.kv import PrefixKV
 from ..engine.features import FeatureSpec, packed_features
 from ..engine.head_file import text_hash
-from ..errors import InputError
+from ..errors import InputError, setting
 from ..model.load import LoadedModel
 from ..task.definition import ExtractTask
 from ..task.extract_prompt import build_extract_prompt
@@ -43,7 +43,7 @@ def head_labels(task: ExtractTask, field: str) -> tuple[str, ...]:
     decl = task.fields.get(field)
     if decl is None or decl.kind not in ("choice", "copy"):
         fitted = ", ".join(task.names_of_kind("choice") + task.names_of_kind("copy")) or "none"
-        raise InputError(f"--field {field}: not a choice or copy field of task {task.name!r} (those fields: {fitted})")
+        raise InputError(f"{setting('field', field)}: not a choice or copy field of task {task.name!r} (those fields: {fitted})")
     return tuple(decl.values or ()) if decl.kind == "choice" else PRESENCE
 
 

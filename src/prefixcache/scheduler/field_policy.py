@@ -32,7 +32,7 @@ import torch
 from ..engine.generate import Generation
 from ..engine.head import FittedHead
 from ..engine.json_cursor import value_tokens
-from ..errors import InputError
+from ..errors import InputError, setting
 from .field_features import PRESENCE
 from ..task.definition import ExtractTask
 
@@ -64,17 +64,17 @@ class FieldPolicy:
         for name, head in self.heads.items():
             decl = self.task.fields.get(name)
             if decl is None or decl.kind not in ("choice", "copy"):
-                raise InputError(f"--head {name}=...: {name!r} is not a choice or copy field of task {self.task.name!r}")
+                raise InputError(f"{setting('head', name + '=...')}: {name!r} is not a choice or copy field of task {self.task.name!r}")
             wanted = set(decl.values or ()) if decl.kind == "choice" else set(PRESENCE)
             if set(head.labels) != wanted:
-                raise InputError(f"--head {name}=...: the head's labels {list(head.labels)} are not {sorted(wanted)}; "
-                                 f"fit it with `prefixcache fit --field {name}`")
+                raise InputError(f"{setting('head', name + '=...')}: the head's labels {list(head.labels)} are not "
+                                 f"{sorted(wanted)}; fit it with `prefixcache fit` and {setting('field', name)}")
             if head.feature != "last":
-                raise InputError(f"--head {name}=...: a field head reads feature 'last' (the prefill's state), "
-                                 f"this one reads {head.feature!r}; fit it with --feature last")
+                raise InputError(f"{setting('head', name + '=...')}: a field head reads feature 'last' (the prefill's "
+                                 f"state), this one reads {head.feature!r}; fit it with {setting('feature', 'last')}")
         for name, threshold in self.min_confidence.items():
             if name not in self.task.fields or not 0.0 <= threshold <= 1.0:
-                raise InputError(f"--min-confidence {name}={threshold}: name a declared field "
+                raise InputError(f"{setting('min_confidence', f'{name}={threshold}')}: name a declared field "
                                  f"({', '.join(self.task.fields)}) and a probability in [0, 1]")
 
     def judge(self, fields: dict | None, generation: Generation, token_bytes: Sequence[bytes] | None) -> JudgedFields:
