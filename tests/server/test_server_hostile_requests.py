@@ -125,4 +125,7 @@ def test_streams_dropped_while_queued_are_never_run(loaded, task, monkeypatch):
         holder.join()
         samples = metric_samples(server)
     ran = metric(samples, "prefixcache_items_total", task="openai", kind="generate") - before  # the registry is the process's
-    assert ran == 1, "dropped streams ran"
+    # the holder's item, and at most one dropped stream's: the batcher may already have taken the next item into
+    # the pass after the held one before its client left (an item in a pass runs to its end until the server
+    # steps the engine loop); the other dropped streams never run
+    assert 1 <= ran <= 2, f"dropped streams ran: {ran - 1} of 5"
