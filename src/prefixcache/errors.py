@@ -106,6 +106,10 @@ class ConstraintError(PrefixCacheError):
     grammar engine does not implement, or the tokenizer is not a fast one. The message says which."""
 
 
+class SequenceTooLongError(PrefixCacheError):
+    """A sequence needs more own-token keys/values than the engine loop's slot budget holds."""
+
+
 class ExtraNotInstalledError(PrefixCacheError):
     """A feature needs an optional extra (``pip install 'prefixcache[serve]'``, say) that is not installed."""
 

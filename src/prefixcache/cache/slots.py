@@ -64,6 +64,10 @@ class SlotStore:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     @property
+    def element_size(self) -> int:
+        return self.keys[0].element_size()
+
+    @property
     def free(self) -> int:
         return len(self._free)
 

@@ -37,8 +37,8 @@ from ..engine.constraint import ConstrainedRows
 from ..engine.generate import RowOutput
 from ..engine.sampling import TokenPicker
 from ..engine.slot_pass import forward_slots
-from ..errors import ConstraintError
-from .sequence import Generate, Sequence, Status
+from ..errors import ConstraintError, SequenceTooLongError
+from .sequence import Generate, Sequence, Status, scorer_group
 
 SLOT_ROUND = 64  # slot lengths are rounded up to this many tokens, so a slightly longer record does not regrow
 
@@ -66,6 +66,13 @@ class Scheduled:
     def add(self, seq: Sequence, count: int) -> None:
         self.items.append((seq, count))
         self.tokens += count
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """The output of a sequence whose group's engine call raised ``error``."""
+
+    error: Exception
 
 
 @dataclass
@@ -135,10 +142,12 @@ class EngineLoop:
             count = self._admit(queue[0], plan, budget)
             if count is None:
                 break
-            plan.add(queue.popleft(), count)
-            self.waiting.move_to_end(client)  # the next client's turn
+            if count:  # 0: it failed at admission (and left its queue)
+                plan.add(queue.popleft(), count)
             if not queue:
                 del self.waiting[client]
+            else:
+                self.waiting.move_to_end(client)  # the next client's turn
         return plan
 
     def _admit(self, seq: Sequence, plan: Scheduled, budget: int) -> int | None:
@@ -146,23 +155,60 @@ class EngineLoop:
         room = budget - plan.tokens
         if not seq.generates:  # fed whole: alone when longer than the budget
             return len(seq.ids) if len(seq.ids) <= room or not plan.items else None
-        if self._store_for(seq).free == 0:
+        try:
+            store = self._store_for(seq)
+        except SequenceTooLongError as exc:
+            self.waiting[seq.client].popleft()
+            self._finish(seq, Status.FAILED, error=str(exc))
+            return 0
+        if store is None or store.free == 0:
             return None
-        seq.slot, seq.status = self.store.take(), Status.RUNNING
+        seq.slot, seq.status = store.take(), Status.RUNNING
         want: Generate = seq.want
         seq.output, seq.picker = RowOutput(self.tokenizer), TokenPicker(want.sampling, 1, seq.prefix.keys[0].device)
         self.running.append(seq)
         return min(len(seq.ids), room)
 
-    def _store_for(self, seq: Sequence) -> SlotStore:
-        """The slot store, made on first need (as many slots as ``slot_bytes`` holds), grown to fit ``seq``."""
+    def _store_for(self, seq: Sequence) -> SlotStore | None:
+        """The slot store with a slot long enough for ``seq``, or None: ``seq`` waits for running ones to finish.
+
+        The store holds as many slots as ``slot_bytes`` allows (at most ``max_seqs``). A longer sequence grows
+        every slot in place while the grown store still fits the budget; otherwise it waits until no sequence
+        runs, and the store is made again with longer, fewer slots. An idle store far longer than a sequence
+        needs (after a long request) is made again at that sequence's length, with its slot count back. So the
+        store's bytes never pass ``slot_bytes``, whatever a request asks for.
+
+        Raises:
+            SequenceTooLongError: not even one slot of ``seq``'s length fits in ``slot_bytes``.
+        """
         need = -(-seq.own_tokens // SLOT_ROUND) * SLOT_ROUND
-        if self.store is None:
-            param = next(self.model.parameters())
-            self.store = SlotStore.within(KVShape.of(self.model.config), self.config.slot_bytes, need, param.dtype,
-                                          param.device, self.config.max_seqs)
-        self.store.grow(need)
+        store = self.store
+        idle = store is None or store.free == store.slots
+        if store is not None and store.slot_tokens >= need and not (idle and store.slot_tokens > 2 * need
+                                                                    and store.slots < self.config.max_seqs):
+            return store
+        if (store is not None and store.slot_tokens < need
+                and store.shape.nbytes(need, store.element_size) * store.slots <= self.config.slot_bytes):
+            store.grow(need)
+            return store
+        if not idle:
+            return None
+        self.store = None  # the old store's tensors go before the new ones are made
+        self.check_fits(seq.own_tokens)
+        param = next(self.model.parameters())
+        self.store = SlotStore.within(KVShape.of(self.model.config), self.config.slot_bytes, need, param.dtype,
+                                      param.device, self.config.max_seqs)
         return self.store
+
+    def check_fits(self, own_tokens: int) -> None:
+        """Raise SequenceTooLongError (naming the sizes) when a sequence of ``own_tokens`` could never get a slot."""
+        need = -(-own_tokens // SLOT_ROUND) * SLOT_ROUND
+        param = next(self.model.parameters())
+        nbytes = KVShape.of(self.model.config).nbytes(need, param.element_size())
+        if nbytes > self.config.slot_bytes:
+            raise SequenceTooLongError(
+                f"{own_tokens} tokens of its own need {nbytes} bytes of keys/values, more than this loop's "
+                f"{self.config.slot_bytes}-byte slot budget")
 
     def _drop_cancelled(self) -> list[Sequence]:
         """Take cancelled sequences out of the queues, free their slots, and tell their callers."""
@@ -186,18 +232,22 @@ class EngineLoop:
         outputs: dict[int, object] = {}
         groups: dict[tuple, list[tuple[Sequence, int]]] = {}
         for seq, count in plan.items:
-            key = (id(seq.prefix), id(seq.want.scorer) if not seq.generates else None)
+            key = (id(seq.prefix), None if seq.generates else scorer_group(seq.want.scorer))
             groups.setdefault(key, []).append((seq, count))
         for (_, scorer), group in groups.items():
             seqs = [seq for seq, _ in group]
             prefix: PrefixKV = seqs[0].prefix
             self.stats.passes += 1
             self.stats.tokens_fed += sum(count for _, count in group)
-            if scorer is not None:
-                outputs.update(zip(map(id, seqs), seqs[0].want.scorer.score(prefix, seqs)))
+            try:
+                if scorer is not None:
+                    outputs.update(zip(map(id, seqs), seqs[0].want.scorer.score(prefix, seqs)))
+                    continue
+                feeds = [Feed(seq.slot, seq.fed, seq.pending()[:count]) for seq, count in group]
+                hidden = forward_slots(self.model, prefix, self.store, feeds)  # [B, H]
+            except Exception as exc:  # this group's call failed: its sequences fail, the step's others go on
+                outputs.update((id(seq), _Failed(exc)) for seq in seqs)
                 continue
-            feeds = [Feed(seq.slot, seq.fed, seq.pending()[:count]) for seq, count in group]
-            hidden = forward_slots(self.model, prefix, self.store, feeds)  # [B, H]
             for (seq, count), row in zip(group, hidden):
                 seq.fed += count
                 outputs[id(seq)] = row
@@ -208,6 +258,12 @@ class EngineLoop:
     def postprocess(self, plan: Scheduled, outputs: dict[int, object]) -> list[Sequence]:
         """Finish scoring sequences; let each generating one whose prompt is fed pick its next token."""
         finished: list[Sequence] = []
+        for seq, _ in plan.items:
+            failure = outputs.get(id(seq))
+            if isinstance(failure, _Failed):
+                self._finish(seq, Status.FAILED, error=f"{type(failure.error).__name__}: {failure.error}")
+                finished.append(seq)
+        plan.items = [(seq, count) for seq, count in plan.items if not seq.status.done]
         sampling = [seq for seq, _ in plan.items if seq.generates and not seq.pending()]
         logits = self._logits([outputs[id(seq)] for seq in sampling])  # [b, V]
         for seq, _ in plan.items:

@@ -42,9 +42,17 @@ class Status(enum.Enum):
 class Scorer(Protocol):
     """Scores the sequences of one step that follow one prefix, in one engine call; one output per sequence.
 
+    A scorer may name a ``group`` (hashable): the sequences of scorers with equal groups share a call.
+
     Each sequence's ``ids`` are its rows; ``tag`` carries whatever else the scorer needs (the record's item)."""
 
     def score(self, prefix: PrefixKV, seqs: Seq[Sequence]) -> list: ...
+
+
+def scorer_group(scorer: Scorer) -> Hashable:
+    """Which scorers share one engine call in a step: those with equal ``scorer.group`` (two requests with the
+    same choices, say), else each scorer object alone. The call is the first sequence's scorer's."""
+    return getattr(scorer, "group", None) or id(scorer)
 
 
 @dataclass(frozen=True)
