@@ -150,13 +150,40 @@ def test_cached_equals_full_under_copy_and_choice_fields(setup):
         assert all(abs((a.confidence[k] or 0) - (b.confidence[k] or 0)) < 1e-4 for k in a.confidence)
 
 
+def test_the_engine_loop_gives_what_static_batches_give_under_copy_and_choice_fields(setup):
+    """Each record's sequence carries its own copy constraint, records its tokens' log-probs and keeps its
+    prompt's last state (what a choice head with feature ``last`` reads), so rows refilled as others finish
+    give the fields and confidences of static batches."""
+    from prefixcache.bench.extract_lanes import static_twin
+    from prefixcache.scheduler.extract import Extractor
+    from prefixcache.scheduler.field_policy import FieldPolicy
+    from prefixcache.types import RunConfig
+
+    folder, _, _, _, loaded = setup
+    spec = parse_task(TASK, kinds=("extract",))
+    head_path = folder / "mood.safetensors"
+    heads = {"mood": load_head(head_path)} if head_path.exists() else {}
+    extractor = Extractor(loaded, spec, policy=FieldPolicy(spec, heads))
+    records = [Record(f"r{i}", {"text": t}) for i, (t, _, _) in enumerate(ROWS)]
+    through_loop = extractor.extract_all(records, RunConfig("batched", 3))
+    static = static_twin(extractor).extract_all(records, RunConfig("batched", 3))
+    assert extractor.continuous and extractor.copied == ("ref",)
+    for record, a, b in zip(records, through_loop, static):
+        assert (a.raw, a.fields, a.flagged) == (b.raw, b.fields, b.flagged), record.id
+        assert a.confidence.keys() == b.confidence.keys()
+        assert all(abs((a.confidence[k] or 0) - (b.confidence[k] or 0)) < 1e-4 for k in a.confidence), record.id
+        if a.fields["ref"] is not None:
+            assert a.fields["ref"] in record.fields["text"], "a copied value is a span of its record"
+
+
 def test_bench_measures_the_copy_constraint_beside_the_schema_alone(setup):
-    from prefixcache.bench.extract_lanes import SCHEMA_ONLY, bench_extract
+    from prefixcache.bench.extract_lanes import SCHEMA_ONLY, STATIC, bench_extract
     from prefixcache.scheduler.extract import Extractor
 
     _, _, _, _, loaded = setup
     extractor = Extractor(loaded, parse_task(TASK, kinds=("extract",)))
     records = [Record(f"r{i}", {"text": t}) for i, (t, _, _) in enumerate(ROWS[:3])]
     lanes = bench_extract(extractor, records, 3, log=lambda _: None)
-    assert [lane.mode for lane in lanes] == ["full", "cached", "batched", SCHEMA_ONLY]
-    assert lanes[-1].constrained and lanes[-1].parse_errors == 0 and extractor.copied == ("ref",)
+    assert [lane.mode for lane in lanes] == ["full", "cached", "batched", SCHEMA_ONLY, STATIC]
+    assert lanes[3].constrained and lanes[3].parse_errors == 0 and extractor.copied == ("ref",)
+    assert lanes[4].identical == 1.0, "static batches give what the engine loop gives"

@@ -210,15 +210,15 @@ def test_an_extraction_whose_constraint_fails_is_an_error_for_that_record_only(m
     """Through the record loop: one record's grammar fails mid-pass; it gets an error naming it, its window-mates
     get exactly the outputs they get when nothing fails, and static batches (the old path) give those too."""
     from tests.support.tasks import EXTRACT_YAML, TEXTS
-    from prefixcache.bench.extract_lanes import loop_twin
+    from prefixcache.bench.extract_lanes import static_twin
     from prefixcache.engine import constraint
     from prefixcache.scheduler.classify import records_from_texts
     from prefixcache.scheduler.extract import Extractor
     from prefixcache.task.definition import parse_task
     from prefixcache.types import RunConfig
 
-    static = Extractor(LOADED, parse_task(EXTRACT_YAML, "x.yaml", kinds=("extract",)))
-    extractor = loop_twin(static)  # extraction runs static batches by default; this is the loop's path
+    extractor = Extractor(LOADED, parse_task(EXTRACT_YAML, "x.yaml", kinds=("extract",)))
+    static = static_twin(extractor)  # the path the engine loop replaced
     records = records_from_texts(TEXTS[:5])
     clean = extractor.extract_all(records, RunConfig("batched", 3))
     assert [e.to_json() for e in static.extract_all(records, RunConfig("batched", 3))] == [

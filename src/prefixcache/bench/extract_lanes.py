@@ -40,7 +40,7 @@ from .roofline import DecodeFloor, decode_floor
 
 UNCONSTRAINED = "batched-unconstrained"  # the lane that decodes without the answer schema
 SCHEMA_ONLY = "batched-schema-only"  # the lane that decodes under the schema without the copy constraint
-LOOP = "batched-loop"  # the batched lane through the engine loop (finished rows refilled at once)
+STATIC = "batched-static"  # the batched lane in static batches (no row joins until the batch's last one ends)
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,8 @@ def bench_extract(
     """Time full (uncached), cached and batched extraction on the same records, after a warm-up; then, with an
     unconstrained ``free`` extractor of the same task, batched extraction without the constraint; then the
     ``peer`` (llama.cpp, :mod:`prefixcache.bench.peer_extract`), whose outputs are compared with the
-    unconstrained lane's (or, without one, the full lane's)."""
+    unconstrained lane's (or, without one, the full lane's). Before the peer, ``batched-static``: the batched lane
+    in static batches (the path the engine loop replaced), compared with the full lane."""
     lanes = [(mode.value, extractor, mode) for mode in Mode]  # full (the reference) first
     if extractor.copied:
         lanes.append((SCHEMA_ONLY, schema_only(extractor), Mode.BATCHED))
@@ -81,8 +82,7 @@ def bench_extract(
         lanes.append((UNCONSTRAINED, free, Mode.BATCHED))
     for each in (extractor,) if free is None else (extractor, free):
         each.extract_all(records[:1], RunConfig(Mode.BATCHED, 1))  # builds the prefix, warms kernels
-    if not extractor.copied:  # the loop does not carry the copy constraint yet
-        lanes.append((LOOP, loop_twin(extractor), Mode.BATCHED))  # made after: it shares the prefix built
+    lanes.append((STATIC, static_twin(extractor), Mode.BATCHED))  # made after: it shares the prefix built
     results, outputs_of = [], {}
     for name, each, mode in lanes:
         size = mode.pass_size(batch_size)
@@ -111,11 +111,11 @@ def schema_only(extractor: Extractor) -> Extractor:
     return plain
 
 
-def loop_twin(extractor: BoundTask) -> BoundTask:
-    """A copy of ``extractor`` that runs its windows through the engine loop (rows refilled as others finish),
-    timed beside the static batches extraction runs in by default."""
+def static_twin(extractor: BoundTask) -> BoundTask:
+    """A copy of ``extractor`` that runs its windows in static batches (one ``generate_rows`` call per batch,
+    no row joining until its last row ends), timed beside the engine loop that extraction runs through."""
     twin = copy.copy(extractor)
-    twin.continuous = True
+    twin.continuous = False
     return twin
 
 
@@ -166,7 +166,7 @@ def run_extract_bench(options: BenchOptions, log: Callable[[str], None] = print)
             f"extract lane {lane.mode}, B={lane.batch_size}: time to first token {lane.ttft_ms_mean:.1f} ms (median "
             f"{lane.ttft_ms_p50:.1f}), {lane.tokens_per_s:.1f} tokens/s, {1000 * lane.seconds / lane.records:.1f} "
             f"ms/record, {lane.parse_errors} unparsable, {lane.identical:.0%} identical to "
-            + {UNCONSTRAINED: "constrained batched", LLAMA_CPP: "unconstrained batched", LOOP: "uncached"}.get(lane.mode, "uncached")
+            + {UNCONSTRAINED: "constrained batched", LLAMA_CPP: "unconstrained batched", STATIC: "uncached"}.get(lane.mode, "uncached")
             + (f", {lane.pct_of_floor:.0f}% of the B=1 decoding floor" if lane.pct_of_floor is not None else "")
         )
     rows = [

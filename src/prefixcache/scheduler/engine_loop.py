@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Hashable, Iterable
 
 import torch
 
 from ..cache.kv import KVShape, PrefixKV
 from ..cache.slots import Feed, SlotStore
-from ..engine.constraint import ConstrainedRows
 from ..engine.generate import RowOutput
 from ..engine.sampling import TokenPicker
 from ..engine.slot_pass import forward_slots
@@ -271,6 +270,9 @@ class EngineLoop:
             if not seq.generates:
                 self._finish(seq, Status.FINISHED, result=outputs[id(seq)])
                 finished.append(seq)
+        for seq in sampling:
+            if not seq.generated:  # the step that fed its last prompt token: what a fitted head reads
+                seq.prompt_state = outputs[id(seq)]
         for seq, row in zip(sampling, logits):
             if self._next_token(seq, row):
                 finished.append(seq)
@@ -287,9 +289,8 @@ class EngineLoop:
         """Pick ``seq``'s next token from ``logits`` ``[V]`` (masked by its constraint); True when it finished."""
         want: Generate = seq.want
         try:
-            if want.constraint is not None and seq.rules is None:
-                seq.rules = ConstrainedRows(want.constraint, self.tokenizer, 1, want.config.eos_ids,
-                                            want.config.max_new_tokens)
+            if want.constraint is not None and seq.rules is None:  # a schema, or one bound to the row's own text
+                seq.rules = want.constraint.start(self.tokenizer, 1, want.config.eos_ids, want.config.max_new_tokens)
             row = logits[None].clone() if seq.rules is not None else logits[None]  # [1, V]
             if seq.rules is not None:
                 seq.rules.mask_(row, [0])
@@ -304,8 +305,8 @@ class EngineLoop:
         if not seq.generated:
             seq.first_token_at = time.perf_counter()
         seq.generated.append(int(token[0]))
-        if done:
-            self._finish(seq, Status.FINISHED, result=seq.output.generation)
+        if done:  # the generation carries the state at its last prompt token, as generate_rows' does
+            self._finish(seq, Status.FINISHED, result=replace(seq.output.generation, state=seq.prompt_state))
         return done
 
     def _finish(self, seq: Sequence, status: Status, result=None, error: str | None = None) -> None:

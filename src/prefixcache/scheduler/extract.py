@@ -36,7 +36,7 @@ from ..cache.pool import PrefixPool
 from ..engine.constraint import grammar_tokenizer, json_constraint
 from ..engine.copy_constraint import CopyConstraint, token_table
 from ..engine.generate import Generation, GenerationConfig, eos_ids_of, generate_rows
-from ..engine.sampling import GREEDY, Sampling
+from ..engine.sampling import Sampling
 from ..model.load import LoadedModel
 from ..task.answer import answer_schema, parse_fields
 from ..model.context_window import context_limit
@@ -100,10 +100,6 @@ class Extractor(BoundTask):
     """
 
     stats_type = ExtractStats
-    # Extraction runs in static batches for now: through the engine loop it measured 0.49x static batches on the
-    # 2-core EPYC (docs/benchmarks.md, "Continuous batching"), and the loop does not yet carry the per-record copy
-    # constraint or the per-token log-probs that the fields' confidence reads. Classification runs through the loop.
-    continuous = False
 
     def __init__(
         self, loaded: LoadedModel, task: ExtractTask, pool: PrefixPool | None = None, max_new_tokens: int | None = None,
@@ -165,9 +161,17 @@ class Extractor(BoundTask):
         return "\n".join(str(record.fields.get(name, "")) for name in self.task.input_fields)
 
     def _sequences(self, batches, stats: ExtractStats, on_finish) -> list[Sequence]:
-        """Generating sequences, each under the task's decoding settings and constraint."""
-        want = Generate(self.generation, GREEDY, self.constraint)
-        return [Sequence(prefix, item.rows, want, tag=item, on_finish=on_finish) for prefix, batch in batches for item in batch]
+        """Generating sequences, each under the task's decoding settings (greedy, recording log-probs for the
+        fields' confidence) and constraint, with the copy fields bound to its own record's text."""
+        shared = Generate(self.generation, CONFIDENCE, self.constraint)
+        return [Sequence(prefix, item.rows, self._want(item, shared), tag=item, on_finish=on_finish)
+                for prefix, batch in batches for item in batch]
+
+    def _want(self, item: WorkItem, shared: Generate) -> Generate:
+        if not self.copied:
+            return shared
+        bound = CopyConstraint(self.constraint, self.copied, (self.source_text(item.record),))
+        return Generate(self.generation, CONFIDENCE, bound)
 
     def _count_loop(self, engine: EngineLoop, seqs: list[Sequence], stats: ExtractStats) -> None:
         stats.forward_passes += engine.stats.passes

@@ -23,6 +23,7 @@ from typing import Any, Callable, Hashable, Protocol, Sequence as Seq
 
 from ..cache.kv import PrefixKV
 from ..engine.constraint import ConstrainedRows, JsonConstraint
+from ..engine.copy_constraint import CopyConstraint
 from ..engine.generate import GenerationConfig, RowOutput
 from ..engine.sampling import GREEDY, Sampling, TokenPicker
 
@@ -68,7 +69,7 @@ class Generate:
 
     config: GenerationConfig
     sampling: Sampling = GREEDY
-    constraint: JsonConstraint | None = None
+    constraint: JsonConstraint | CopyConstraint | None = None  # a copy constraint binds one source: this row's
 
 
 class Sequence:
@@ -97,6 +98,7 @@ class Sequence:
         self.output: RowOutput | None = None
         self.picker: TokenPicker | None = None
         self.rules: ConstrainedRows | None = None
+        self.prompt_state = None  # [H]: the final layer's state at its last prompt token (generating sequences)
 
     @property
     def generates(self) -> bool:
