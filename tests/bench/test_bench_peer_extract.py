@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from prefixcache.bench.extract_lanes import LOOP, UNCONSTRAINED, bench_extract
+from prefixcache.bench.extract_lanes import STATIC, UNCONSTRAINED, bench_extract
 from prefixcache.bench.peer_extract import LLAMA_CPP, LlamaCppGenerator, llama_cpp_generate
 from prefixcache.scheduler.extract import Extractor
 from prefixcache.task.definition import parse_task
@@ -124,7 +124,7 @@ def test_the_bench_adds_the_lane_and_compares_it_with_free_decoding(tiny_llama, 
     peer = LlamaCppGenerator(FakeLlama(tiny_llama, str(tmp_path / "m.gguf")), extractor)
     lanes = bench_extract(Extractor(tiny_llama, task), _records(TEXTS[:4]), 4, log=lambda _: None,
                           free=Extractor(tiny_llama, task, constrained=False), peer=peer)
-    assert [lane.mode for lane in lanes] == ["full", "cached", "batched", UNCONSTRAINED, LOOP, LLAMA_CPP]
+    assert [lane.mode for lane in lanes] == ["full", "cached", "batched", UNCONSTRAINED, STATIC, LLAMA_CPP]
     lane = lanes[-1]
     assert (lane.batch_size, lane.records, lane.constrained) == (1, 4, False)
     assert lane.identical == 1.0  # the same greedy text as our own free decoding
