@@ -185,8 +185,7 @@ def main() -> int:
     p.add_argument("--flood-lead", type=float, default=2.0, help="seconds the flood runs before the victim starts")
     p.add_argument("--ratio", type=float, default=2.0, help="the bar: victim p99 under the flood / idle p99")
     args = p.parse_args()
-    args.task, args.max_wait_ms, args.arrival_gap_ms, args.clients, args.items_per_request = (
-        "support-tickets", None, None, 1, 1)
+    args.task, args.max_step_tokens, args.clients, args.items_per_request = ("support-tickets", None, 1, 1)
     rows = []
     for max_batch in (int(value) for value in args.max_batch.split(",")):
         rows += run_server(args, max_batch)

@@ -98,8 +98,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--items-per-request", type=int, default=1)
     p.add_argument("--distinct", type=int, default=96, help="distinct tickets, cycled over the requests (each item keeps a unique id)")
     p.add_argument("--max-batch", type=int, default=32, help="the micro-batched lane's --max-batch")
-    p.add_argument("--max-wait-ms", type=float, default=None, help="the micro-batched server's --max-wait-ms (default: serve's)")
-    p.add_argument("--arrival-gap-ms", type=float, default=None, help="the micro-batched server's --arrival-gap-ms (default: serve's)")
+    p.add_argument("--max-step-tokens", type=int, default=None, help="the batched server's --max-step-tokens (default: serve's)")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds per lane (A B, B A, ...), against load drift")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest |probability difference| counted as equal (default: 1e-4 in float32; 0.1 in bfloat16, "
@@ -215,9 +214,8 @@ class Server:
                "--max-queue", str(max(1024, args.clients * args.items_per_request * 2)), "--log-level", "warning"]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
-        for flag, value in (("--max-wait-ms", args.max_wait_ms), ("--arrival-gap-ms", args.arrival_gap_ms)):
-            if value is not None:
-                cmd += [flag, str(value)]
+        if getattr(args, "max_step_tokens", None) is not None:
+            cmd += ["--max-step-tokens", str(args.max_step_tokens)]
         env = {**os.environ, "PREFIXCACHE_API_KEY": key, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.log: list[str] = []

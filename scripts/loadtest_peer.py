@@ -219,8 +219,7 @@ def main() -> int:
     gguf = args.gguf or embedded_gguf()
     classify, extract, labels = chats(args.task, args.requests)
     ours = argparse.Namespace(task=args.task, model=gguf if args.gguf else "smollm2-135m", dtype=args.dtype,
-                              clients=args.clients, items_per_request=1, threads=args.threads, max_wait_ms=None,
-                              arrival_gap_ms=None)
+                              clients=args.clients, items_per_request=1, threads=args.threads, max_step_tokens=None)
     results = run_server("prefixcache", lambda key: Server(ours, 32, key, extra=("--max-queue-per-client", "512")),
                          lambda s: f"http://{HOST}:{s.port}/v1", args, classify, extract, labels, peer=False)
     if args.llama_server and Path(args.llama_server).exists():

@@ -241,8 +241,7 @@ def main() -> int:
                    help="pin the server (1 torch thread) to the first core and the attacking clients to the second, "
                         "so that the attack's own client CPU does not count against the server")
     args = p.parse_args()
-    args.task, args.max_wait_ms, args.arrival_gap_ms, args.clients, args.items_per_request = (
-        "support-tickets", None, None, 1, 1)
+    args.task, args.max_step_tokens, args.clients, args.items_per_request = ("support-tickets", None, 1, 1)
     client_key, admin_key = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     os.environ["PREFIXCACHE_ADMIN_KEY"] = admin_key  # Server passes this process's environment on
     from prefixcache.server.settings import ServerSettings

@@ -170,6 +170,11 @@ class QueueFullError(ServerError):
         self.retry_after = retry_after
 
 
+class SequenceFailedError(ServerError):
+    """The engine loop could not finish one request's sequence (its engine call raised, or its constraint failed
+    mid-decoding). Only that request fails; the sequences that shared its steps go on."""
+
+
 class ShuttingDownError(ServerError):
     """The server stopped before the request's items were run."""
 

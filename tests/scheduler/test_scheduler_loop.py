@@ -1,6 +1,6 @@
 """The record loop's bookkeeping (scheduler/loop.py, scheduler/classify.py) on a tiny random Llama: the progress
-callback, the pass counters, and the server's entry (``run_prepared``) touching the stored prefix only
-when an item runs after it. What each record's scores are is guarded by test_scheduler_invariants.py.
+callback, the pass counters, and the stored prefix built only by a mode that
+feeds records after it. What each record's scores are is guarded by test_scheduler_invariants.py.
 """
 
 from __future__ import annotations
@@ -52,15 +52,12 @@ def builds(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("mode", ["full", "batched"])
-def test_run_prepared_builds_the_prefix_only_when_an_item_runs_after_it(tiny_llama, task, builds, mode):
-    """Items that all re-encode in full (mode ``full``), or that all failed, never need the stored prefix:
-    building it (or looking it up in a pool) would cost a prefix's pass for nothing."""
+def test_the_stored_prefix_is_built_only_by_a_mode_that_feeds_after_it(tiny_llama, task, builds, mode):
+    """``full`` re-encodes every prompt: building the stored prefix (or looking it up in a pool) would cost a
+    prefix's pass for nothing. ``batched`` builds it once, however many windows it runs."""
     classifier = Classifier(tiny_llama, task)
-    failed = classifier.prepare([Record("bad", {"body": "x"})], RunConfig(mode))
-    assert classifier.run_prepared(failed)[0].error and builds == []
-    items = classifier.prepare(records_from_texts(TEXTS[:2]), RunConfig(mode))
-    results = classifier.run_prepared(items)
-    assert [r.label is not None for r in results] == [True, True]
+    results = classifier.classify_all(records_from_texts(TEXTS[:3]), RunConfig(mode, window=1))
+    assert [r.label is not None for r in results] == [True, True, True]
     assert builds == ([] if mode == "full" else [len(classifier.prompt.prefix_ids)])
 
 

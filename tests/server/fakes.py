@@ -1,73 +1,83 @@
-"""Fakes for the micro-batcher's tests (no model, no HTTP): a queued item, runners that hold or fail a pass, a
-batcher on its own model thread for one scenario, and a bounded wait for a condition."""
+"""Fakes for the engine thread's tests (no model, no HTTP): a queued item, a runner whose items are scoring
+sequences that it scores itself (optionally held at a gate, or failing), an engine thread for one scenario,
+and a bounded wait for a condition."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-from prefixcache.server.batcher import MicroBatcher
+from prefixcache.scheduler.engine_loop import EngineLoop, LoopConfig
+from prefixcache.scheduler.sequence import Scores, Sequence, Status
+from prefixcache.server.engine_thread import EngineThread
 from prefixcache.server.prometheus import Metrics
+from prefixcache.server.runners import Submitted, failed
 from prefixcache.server.settings import ServerSettings
 
 
 def item(payload, full=False):
-    """A queued item as the batcher sees it: its record is the payload itself."""
+    """A queued item as a runner sees it: its record is the payload itself."""
     return SimpleNamespace(record=payload, full=full)
 
 
-class GatedRunner:
-    """Each pass sets ``started`` and blocks until ``gate`` is set; then answers each item's payload.
+class FakeRunner:
+    """Each item is a one-token scoring sequence that this runner scores: its result is the item's payload.
 
-    Every pass's payloads are kept in ``passes`` and, with the runner's name, appended to ``log`` (a list
-    several runners may share, to see which task's pass came first)."""
+    A scoring call sets ``started`` and waits for ``gate`` (open unless one is given), then raises ``exc`` if
+    set. Every call's payloads are kept in ``calls`` and, with the runner's name, appended to ``log`` (a list
+    several runners may share, to see which task's call came first)."""
 
     kind = "classify"
 
     def __init__(self, name: str = "fake", log: list | None = None, gate: threading.Event | None = None,
-                 started: threading.Event | None = None):
+                 started: threading.Event | None = None, exc: Exception | None = None):
         self.task = SimpleNamespace(name=name)
         self.log = log if log is not None else []
-        self.gate = gate if gate is not None else threading.Event()
+        if gate is None:
+            gate = threading.Event()
+            gate.set()
+        self.gate = gate
         self.started = started if started is not None else threading.Event()
-        self.passes: list[list] = []
+        self.exc = exc
+        self.calls: list[list] = []
+        self.prefix, self.empty = SimpleNamespace(length=4), SimpleNamespace(length=0)
 
-    def run(self, batch):
+    def sequences(self, items) -> Submitted:
+        seqs = [Sequence(self.empty if it.full else self.prefix, (1,), Scores(self), tag=it) for it in items]
+        return Submitted(seqs, self.prefix.length * sum(1 for it in items if not it.full))
+
+    def score(self, prefix, seqs) -> list:
         self.started.set()
         assert self.gate.wait(30), "test gate never opened"
-        payloads = [i.record for i in batch]
-        self.passes.append(payloads)
-        self.log.append((self.task.name, payloads))
-        return list(payloads)
-
-
-class FailingRunner:
-    """A pass that raises ``exc``, or else returns ``result`` as it is (of whatever length)."""
-
-    kind = "classify"
-
-    def __init__(self, result=None, exc=None):
-        self.task = SimpleNamespace(name="failing")
-        self.result, self.exc = result, exc
-
-    def run(self, batch):
         if self.exc is not None:
             raise self.exc
-        return self.result
+        payloads = [seq.tag.record for seq in seqs]
+        self.calls.append(payloads)
+        self.log.append((self.task.name, payloads))
+        return payloads
+
+    def answer(self, seq):
+        if seq.status is not Status.FINISHED:
+            raise failed(seq)
+        return seq.result
+
+
+def engine_thread(settings: ServerSettings, metrics: Metrics | None = None) -> EngineThread:
+    """An engine thread over a loop with no model (fake runners' sequences only score)."""
+    loop = EngineLoop(None, None, LoopConfig(settings.max_step_tokens, settings.max_batch))
+    return EngineThread(loop, settings, metrics or Metrics())
 
 
 def run_with(settings: ServerSettings, scenario, metrics: Metrics | None = None):
-    """Run ``await scenario(batcher)`` against a started batcher on its own model thread; stop it after."""
+    """Run ``await scenario(thread)`` against a started engine thread; stop it after."""
     async def main():
-        with ThreadPoolExecutor(1) as model_thread:
-            batcher = MicroBatcher(model_thread, settings, metrics or Metrics())
-            batcher.start()
-            try:
-                return await scenario(batcher)
-            finally:
-                await batcher.stop()
+        thread = engine_thread(settings, metrics)
+        thread.start()
+        try:
+            return await scenario(thread)
+        finally:
+            await thread.stop()
 
     return asyncio.run(main())
 

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import threading
+import time
 from contextlib import contextmanager
 from urllib.parse import urlparse
 
@@ -25,6 +26,24 @@ def serving(loaded, tasks, **settings):
     settings.setdefault("api_key", None)
     with ServerThread(create_app(loaded, tasks, ServerSettings(**settings))) as server:
         yield server
+
+
+@contextmanager
+def model_thread_held(server):
+    """Keep the server's model thread busy (a call that blocks) until the block ends: requests sent meanwhile are
+    admitted and wait in the inbox, as under load, and are answered once it ends."""
+    started, gate = threading.Event(), threading.Event()
+
+    def hold():
+        started.set()
+        assert gate.wait(60), "the test never let the model thread go"
+
+    server.app.state.service.engine.call_soon(hold)
+    assert started.wait(30), "the model thread never took the holding call"
+    try:
+        yield
+    finally:
+        gate.set()
 
 
 def call(server, method, path, body=None, headers=None, raw: bytes | None = None, chunked=False):
@@ -84,6 +103,24 @@ def requests_of_sizes(records: list[Record], sizes: tuple[int, ...], max_batch: 
     assert len(set(got)) >= 3 and min(got) == 1, f"request sizes {got} do not really vary"
     assert sum(n > max_batch for n in got) >= 2, f"request sizes {got}: too few exceed max_batch={max_batch}"
     return requests
+
+
+def post_while_held(server, path: str, task: str, requests: list[list[Record]]) -> list:
+    """:func:`post_concurrently`, with the model thread held until every item is admitted: the engine loop then
+    finds them all waiting at its next step, as under load. Answers in request order."""
+    answers: list = []
+    items = sum(len(r) for r in requests)
+    with model_thread_held(server):
+        sender = threading.Thread(target=lambda: answers.extend(post_concurrently(server, path, task, requests)))
+        sender.start()
+        for _ in range(3000):  # a bound on a hang, not a timing assertion
+            if call(server, "GET", "/v1/stats")[2]["in_progress"] >= items:
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError(f"the {items} items were never all admitted")
+    sender.join()
+    return answers
 
 
 def unmerged_passes(requests: list[list], max_batch: int) -> int:

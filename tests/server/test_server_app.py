@@ -23,7 +23,7 @@ from prefixcache.server import ServerSettings, ServerThread, create_app
 from prefixcache.server.settings import API_KEY_ENV
 
 from tests.server.live import (
-    TASK, assert_same_prediction, call, metric, metric_samples, post_concurrently, requests_of_sizes, serving,
+    TASK, assert_same_prediction, call, metric, metric_samples, model_thread_held, post_while_held, requests_of_sizes, serving,
     unmerged_passes,
 )
 from tests.support.tasks import TASK_YAML, TEXTS
@@ -49,10 +49,10 @@ def test_concurrent_requests_are_merged_and_equal_sequential_results(loaded, tas
     requests = requests_of_sizes(records, (1, 3, 11, 2, 1, 9, 5, 1, 8, 2), max_batch)
     requests += [[r] for r in records[:16]]  # the same items again, in other batches
 
-    with serving(loaded, [task], max_batch=max_batch, max_wait_ms=200, arrival_gap_ms=200) as server:
+    with serving(loaded, [task], max_batch=max_batch) as server:
         runner = server.app.state.service.runner(TASK, "classify")
         before = runner.bound.prefix.checksum()
-        answers = post_concurrently(server, "/v1/classify", TASK, requests)
+        answers = post_while_held(server, "/v1/classify", TASK, requests)
         samples = metric_samples(server)
         after = runner.bound.prefix.checksum()
 
@@ -190,15 +190,16 @@ def test_bad_items_422_name_the_item(loaded, task):
 
 def test_full_queue_429_with_retry_after(loaded, task):
     """A request that does not fit in the bounded queue is refused whole, with Retry-After."""
-    with serving(loaded, [task], max_queue=4, max_items=4, max_batch=64, max_wait_ms=1500, arrival_gap_ms=1500) as server:
+    with serving(loaded, [task], max_queue=4, max_items=4, max_batch=64) as server:
         first: list = []
-        waiting = threading.Thread(target=lambda: first.append(call(server, "POST", "/v1/classify", {"task": TASK, "items": ["a", "b", "c"]})))
-        waiting.start()
-        deadline = time.monotonic() + 10
-        while call(server, "GET", "/v1/stats")[2]["in_progress"] < 3:
-            assert time.monotonic() < deadline, "the first request never reached the queue"
-            time.sleep(0.01)
-        status, headers, body = call(server, "POST", "/v1/classify", {"task": TASK, "items": ["d", "e"]})
+        with model_thread_held(server):
+            waiting = threading.Thread(target=lambda: first.append(call(server, "POST", "/v1/classify", {"task": TASK, "items": ["a", "b", "c"]})))
+            waiting.start()
+            deadline = time.monotonic() + 10
+            while call(server, "GET", "/v1/stats")[2]["in_progress"] < 3:
+                assert time.monotonic() < deadline, "the first request never reached the queue"
+                time.sleep(0.01)
+            status, headers, body = call(server, "POST", "/v1/classify", {"task": TASK, "items": ["d", "e"]})
         waiting.join()
         samples = metric_samples(server)
     assert status == 429, body
@@ -348,7 +349,7 @@ def test_cli_serve_defaults_match_server_settings():
     command = typer.main.get_command(app).commands["serve"]
     defaults = {p.name: p.default for p in command.params}
     settings = ServerSettings()
-    for name in ("host", "port", "max_batch", "max_wait_ms", "arrival_gap_ms", "max_queue", "max_items", "max_item_tokens",
+    for name in ("host", "port", "max_batch", "max_step_tokens", "max_queue", "max_items", "max_item_tokens",
                  "max_body_bytes", "max_prefix_tokens"):
         assert defaults[name] == getattr(settings, name), f"--{name.replace('_', '-')} default differs from ServerSettings"
 

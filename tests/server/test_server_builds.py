@@ -73,8 +73,8 @@ def test_a_pass_of_another_task_runs_between_two_uploads_builds(loaded, monkeypa
 
     async def scenario(service):
         served = service.runner("served", "classify")
-        real_run = served.run
-        served.run = lambda batch: (events.append("classify pass"), real_run(batch))[1]
+        real_sequences = served.sequences
+        served.sequences = lambda items: (events.append("classify pass"), real_sequences(items))[1]
         record_builds(monkeypatch, events)
         uploads = [asyncio.ensure_future(service.register(named(name))) for name in ("first", "second")]
         await asyncio.sleep(BUILD_S / 4)  # the first build is running; the second waits
@@ -82,7 +82,7 @@ def test_a_pass_of_another_task_runs_between_two_uploads_builds(loaded, monkeypa
         await asyncio.gather(*uploads)
         return results
 
-    results = with_service(loaded, scenario, max_wait_ms=5, arrival_gap_ms=1)
+    results = with_service(loaded, scenario)
     assert len(results) == 1
     builds = [i for i, event in enumerate(events) if event.startswith("build ")]
     assert len(builds) == 2 and sorted(events[i] for i in builds) == ["build first", "build second"]

@@ -24,7 +24,7 @@ from prefixcache.task.definition import ExtractTask, load_any_task, parse_task
 from tests.support.tasks import EXTRACT_YAML as CONFTEST_EXTRACT_YAML
 from tests.support.tasks import TASK_YAML, TEXTS
 from tests.server.live import (
-    TASK, assert_same_prediction, call, metric, metric_samples, post_concurrently, requests_of_sizes, serving, unmerged_passes,
+    TASK, assert_same_prediction, call, metric, metric_samples, post_while_held, requests_of_sizes, serving,
 )
 
 EXTRACT = "tiny-fields"
@@ -54,15 +54,16 @@ def expected_usage(loaded, task, records) -> dict:
 
 
 def test_extract_equals_the_engine_and_concurrent_requests_are_merged(loaded, extract_task):
-    """Requests of 1 to 6 items at once (some larger than max_batch, so split across passes): every
-    result equals the engine's one-record-at-a-time result, and passes held several requests."""
+    """Requests of 1 to 6 items at once (some larger than max_batch): every result equals the engine's
+    one-record-at-a-time result, and the engine loop's steps held sequences of several requests (finished rows
+    refilled from the waiting ones)."""
     max_batch = 4
     records = [Record(f"e{i}", {"text": TEXTS[i % len(TEXTS)] + f" (order {i})"}) for i in range(16)]
     reference = {r["id"]: r for r in engine_results(loaded, extract_task, records)}
     requests = requests_of_sizes(records, (1, 6, 2, 1, 5, 1), max_batch)
 
-    with serving(loaded, [extract_task], max_batch=max_batch, max_wait_ms=300, arrival_gap_ms=300) as server:
-        answers = post_concurrently(server, "/v1/extract", EXTRACT, requests)
+    with serving(loaded, [extract_task], max_batch=max_batch) as server:
+        answers = post_while_held(server, "/v1/extract", EXTRACT, requests)
         samples = metric_samples(server)
 
     for n, (status, _, body) in enumerate(answers):
@@ -73,24 +74,28 @@ def test_extract_equals_the_engine_and_concurrent_requests_are_merged(loaded, ex
             assert result == reference[result["id"]], f"request {n}: {result} != the engine's {reference[result['id']]}"
         assert body["usage"] == expected_usage(loaded, extract_task, requests[n])
     items = sum(len(r) for r in requests)
-    passes = metric(samples, "prefixcache_batch_size_count", task=EXTRACT)
-    unmerged = unmerged_passes(requests, max_batch)
-    assert metric(samples, "prefixcache_batch_size_sum", task=EXTRACT) == items
+    steps = metric(samples, "prefixcache_batch_size_count", task=EXTRACT)
+    fed = metric(samples, "prefixcache_batch_size_sum", task=EXTRACT)
     assert metric(samples, "prefixcache_items_total", task=EXTRACT, kind="extract") == items
-    assert passes < unmerged * 3 / 4, (
-        f"{items} items took {passes} passes (unmerged: {unmerged}): concurrent extraction requests were not merged"
-    )
+    assert metric(samples, "prefixcache_batch_size_bucket", task=EXTRACT, le=str(float(max_batch))) == steps, (
+        f"a step held more than max_batch={max_batch} sequences")
+    assert fed / steps > max_batch * 3 / 4, (
+        f"{items} waiting items took {steps} steps of {fed / steps:.1f} sequences on average (at most {max_batch}): "
+        "finished rows were not refilled from the other requests")
 
 
 def test_an_extract_request_larger_than_max_batch_is_answered_after_its_last_pass(loaded, extract_task):
-    """5 items at max_batch 2 take three passes; the answer holds all five, each equal to the engine's."""
+    """5 items at max_batch 2: no step holds more than two; the answer holds all five, each equal to the engine's."""
     records = [Record(i, {"text": text}) for i, text in enumerate(TEXTS[:5])]
     with serving(loaded, [extract_task], max_batch=2) as server:
         status, _, body = call(server, "POST", "/v1/extract", {"task": EXTRACT, "items": TEXTS[:5]})
         samples = metric_samples(server)
     assert status == 200, f"{status} {body}"
     assert body["results"] == engine_results(loaded, extract_task, records), "a request split over passes lost or changed results"
-    assert metric(samples, "prefixcache_batch_size_count", task=EXTRACT) == 3, "5 items at max_batch=2 must take 3 passes"
+    steps = metric(samples, "prefixcache_batch_size_count", task=EXTRACT)
+    assert steps > 0 and metric(samples, "prefixcache_batch_size_bucket", task=EXTRACT, le="2.0") == steps, (
+        "a step held more than max_batch=2 sequences")
+    assert metric(samples, "prefixcache_items_total", task=EXTRACT, kind="extract") == 5
 
 
 def test_extract_string_items_default_ids_and_item_errors(loaded, extract_task):

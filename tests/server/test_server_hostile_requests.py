@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.support.models import tiny_loaded
-from tests.server.live import TASK, call, serving
+from tests.server.live import TASK, call, model_thread_held, serving
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +36,17 @@ def test_a_deeply_nested_body_is_a_400_in_openai_shape(loaded, task, depth):
 
 
 def test_a_stream_refused_for_a_full_queue_is_a_429_before_the_200(loaded, task):
-    with serving(loaded, [task], max_queue=3, max_items=3, max_batch=64, max_wait_ms=1500, arrival_gap_ms=1500) as server:
+    with serving(loaded, [task], max_queue=3, max_items=3, max_batch=64) as server:
         first: list = []
-        holder = threading.Thread(target=lambda: first.append(call(server, "POST", "/v1/classify", {"task": TASK, "items": ["a", "b", "c"]})))
-        holder.start()
-        deadline = time.monotonic() + 10
-        while call(server, "GET", "/v1/stats")[2]["in_progress"] < 3:
-            assert time.monotonic() < deadline, "the first request never reached the queue"
-            time.sleep(0.01)
         stream = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
-        status, headers, body = call(server, "POST", "/v1/chat/completions", stream)
+        with model_thread_held(server):
+            holder = threading.Thread(target=lambda: first.append(call(server, "POST", "/v1/classify", {"task": TASK, "items": ["a", "b", "c"]})))
+            holder.start()
+            deadline = time.monotonic() + 10
+            while call(server, "GET", "/v1/stats")[2]["in_progress"] < 3:
+                assert time.monotonic() < deadline, "the first request never reached the queue"
+                time.sleep(0.01)
+            status, headers, body = call(server, "POST", "/v1/chat/completions", stream)
         holder.join()
         assert status == 429, body
         assert int(headers["retry-after"]) >= 1 and body["error"]["type"] == "rate_limit_exceeded", body
@@ -85,47 +86,35 @@ def test_a_schema_with_no_finite_answer_is_a_400_before_decoding(loaded, task, s
         assert status == 200 and json.loads(body["choices"][0]["message"]["content"]) is not None, body
 
 
-def test_streams_dropped_while_queued_are_never_run(loaded, task, monkeypatch):
+def test_streams_dropped_while_queued_are_never_run(loaded, task):
     """While the model thread is held, five streams are opened, read to their first event and dropped: their
-    queued items leave the queue and never run (only the request that held the model is counted)."""
+    sequences leave the engine loop before they are ever fed (only the request sent after them runs)."""
     import socket
     from urllib.parse import urlparse
 
-    from prefixcache.server import openai_runners
-    from tests.server.live import metric, metric_samples
+    from tests.server.live import metric, metric_samples, model_thread_held
 
-    release, original = threading.Event(), openai_runners.GenerateRunner.run
-
-    def held_once(self, items):
-        release.wait(60)
-        return original(self, items)
-
-    monkeypatch.setattr(openai_runners.GenerateRunner, "run", held_once)
     ask = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    with serving(loaded, [task], max_batch=1, arrival_gap_ms=1) as server:
+    with serving(loaded, [task], max_batch=1) as server:
         before = metric(metric_samples(server), "prefixcache_items_total", task="openai", kind="generate")
-        holder = threading.Thread(target=lambda: call(server, "POST", "/v1/chat/completions", ask))
-        holder.start()
         url = urlparse(server.url)
         body = json.dumps(dict(ask, stream=True)).encode()
-        for _ in range(5):
-            with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
-                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-                received = b""
-                while b"data:" not in received:  # the headers, then the stream's first event
-                    chunk = sock.recv(4096)
-                    assert chunk, f"the stream ended before its first event: {received!r}"
-                    received += chunk
-        deadline = time.monotonic() + 30
-        while call(server, "GET", "/v1/stats")[2]["in_progress"] > 1:  # every dropped stream's response has ended
-            assert time.monotonic() < deadline, "the dropped streams never gave their room back"
-            time.sleep(0.05)
-        release.set()
-        holder.join()
+        with model_thread_held(server):
+            for _ in range(5):
+                with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+                    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                    received = b""
+                    while b"data:" not in received:  # the headers, then the stream's first event
+                        chunk = sock.recv(4096)
+                        assert chunk, f"the stream ended before its first event: {received!r}"
+                        received += chunk
+            deadline = time.monotonic() + 30
+            while call(server, "GET", "/v1/stats")[2]["in_progress"] > 0:  # every dropped stream's response has ended
+                assert time.monotonic() < deadline, "the dropped streams never gave their room back"
+                time.sleep(0.05)
+        status, _, answer = call(server, "POST", "/v1/chat/completions", ask)
         samples = metric_samples(server)
+    assert status == 200, answer
     ran = metric(samples, "prefixcache_items_total", task="openai", kind="generate") - before  # the registry is the process's
-    # the holder's item, and at most one dropped stream's: the batcher may already have taken the next item into
-    # the pass after the held one before its client left (an item in a pass runs to its end until the server
-    # steps the engine loop); the other dropped streams never run
-    assert 1 <= ran <= 2, f"dropped streams ran: {ran - 1} of 5"
+    assert ran == 1, f"dropped streams ran: {ran - 1} of 5"

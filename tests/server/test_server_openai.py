@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 
 import jsonschema
 import openai
@@ -23,7 +24,7 @@ from prefixcache.task.prompt import SENTINEL, input_lead, render_messages
 
 
 from tests.support.tasks import TEXTS
-from tests.server.live import call, metric, metric_samples
+from tests.server.live import call, metric, metric_samples, model_thread_held
 
 KEY = "openai-test-key"
 CHOICES = ["billing", "technical", "account"]
@@ -47,7 +48,7 @@ def loaded(tiny_qwen2):
 
 @pytest.fixture(scope="module")
 def server(loaded, task):
-    with ServerThread(create_app(loaded, [task], ServerSettings(api_key=KEY, max_batch=8, arrival_gap_ms=50))) as running:
+    with ServerThread(create_app(loaded, [task], ServerSettings(api_key=KEY, max_batch=8))) as running:
         yield running
 
 
@@ -164,8 +165,13 @@ def test_concurrent_guided_choice_requests_share_passes_and_equal_sequential(cli
         answers[i] = client.chat.completions.create(model=loaded.spec, messages=messages[i], extra_body={"guided_choice": CHOICES})
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(len(messages))]
-    for t in threads:
-        t.start()
+    with model_thread_held(server):  # they queue up, as under load, and meet in the engine loop's next step
+        for t in threads:
+            t.start()
+        for _ in range(3000):  # a bound on a hang, not a timing assertion
+            if call(server, "GET", "/v1/stats", headers={"Authorization": f"Bearer {KEY}"})[2]["in_progress"] >= len(messages):
+                break
+            time.sleep(0.01)
     for t in threads:
         t.join()
     passes = metric(metric_samples(server, {"Authorization": f"Bearer {KEY}"}), "prefixcache_batch_size_count", task="openai") - before

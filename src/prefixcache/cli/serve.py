@@ -26,11 +26,10 @@ def serve(
     method: str = MethodOpt,
     host: str = typer.Option(SERVER.host, "--host", help="Interface to listen on (loopback by default)."),
     port: int = typer.Option(SERVER.port, "--port", min=0, max=65535, help="Port (0 picks a free one)."),
-    max_batch: int = typer.Option(SERVER.max_batch, "--max-batch", min=1, help="Most items merged into one forward pass."),
-    max_wait_ms: float = typer.Option(SERVER.max_wait_ms, "--max-wait-ms", min=0, help="Longest an item waits for companions."),
-    arrival_gap_ms: float = typer.Option(
-        SERVER.arrival_gap_ms, "--arrival-gap-ms", min=0,
-        help="A pass that is not full starts once no item has arrived for this long.",
+    max_batch: int = typer.Option(SERVER.max_batch, "--max-batch", min=1, help="Most sequences in one step of the engine loop."),
+    max_step_tokens: int = typer.Option(
+        SERVER.max_step_tokens, "--max-step-tokens", min=1,
+        help="Most tokens one step feeds (a longer prompt is fed in chunks, so other requests keep their turn).",
     ),
     max_queue: int = typer.Option(
         SERVER.max_queue, "--max-queue", min=1, help="Most items in progress at once (all requests); more gets 429."
@@ -59,7 +58,7 @@ def serve(
         None, "--head", help="A fitted label head (prefixcache fit) for the one --task served; overrides its head:."
     ),
 ):
-    """Serve tasks over HTTP with micro-batching (FastAPI on uvicorn). Set PREFIXCACHE_API_KEY to require a key,
+    """Serve tasks over HTTP with continuous batching (FastAPI on uvicorn, one engine loop). Set PREFIXCACHE_API_KEY to require a key,
     and PREFIXCACHE_ADMIN_KEY to keep task changes and /metrics to the operator (start-up tasks are read-only to clients).
 
     Needs the 'serve' extra: pip install 'prefixcache[serve]'.
@@ -67,7 +66,7 @@ def serve(
     run_server = server_runner()
     log_level = choice(log_level, LOG_LEVELS, "--log-level")
     settings = ServerSettings.from_env(
-        host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms, arrival_gap_ms=arrival_gap_ms,
+        host=host, port=port, max_batch=max_batch, max_step_tokens=max_step_tokens,
         max_queue=max_queue, max_queue_per_client=max_queue_per_client, max_items=max_items,
         max_item_tokens=max_item_tokens, max_body_bytes=max_body_bytes, max_prefix_tokens=max_prefix_tokens,
         max_task_bytes=max_task_bytes, max_labels=max_labels, max_examples=max_examples, max_tasks=max_tasks,

@@ -8,9 +8,9 @@ between its last real token and its generated tokens stays masked out, so a
 row computes exactly what it would compute alone. Rows that finish are dropped
 from the fork (``batch_select_indices``), so later steps only run live rows.
 
-After every step it calls :func:`~prefixcache.engine.steps.step_boundary`, where a scheduler may run
-short passes of other work on this thread (the server's batcher does, so classification is not stuck
-behind a long extraction); the decoding state is untouched by them.
+It is the static path: a batch runs until its last row ends, and no row joins it. The engine loop
+(:mod:`prefixcache.scheduler.engine_loop`), which every CLI command and the server go through, refills
+finished rows at the next step instead; this path stays as the benchmarks' ``batched-static`` lane.
 
 Full re-encoding is the same call with an empty prefix and whole prompts as
 rows: the cached and uncached paths share every line of decoding.
@@ -38,7 +38,6 @@ import torch
 from .constraint import ConstrainedRows, JsonConstraint
 from .copy_constraint import CopyConstraint
 from .detokenize import IncrementalText
-from .steps import step_boundary
 from .rows import forward_rows, pad_rows
 from .sampling import GREEDY, Sampling, TokenLogprob, TokenPicker
 from ..cache.kv import PrefixKV
@@ -185,7 +184,6 @@ def generate_rows(
             next_ids[slot].item(), logprobs[slot] if logprobs else None, tokenizer, config, on_token, row, rules)]
         if not keep:
             break
-        step_boundary()  # a scheduler may run short passes here (engine/steps.py), leaving this pass as it is
         if len(keep) < len(live):
             index = torch.tensor(keep, device=device)
             cache.batch_select_indices(index)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
-from typing import Hashable, Iterable
+from typing import Callable, Hashable, Iterable
 
 import torch
 
@@ -93,6 +93,8 @@ class EngineLoop:
         self.waiting: OrderedDict[Hashable, deque[Sequence]] = OrderedDict()  # client -> its sequences, in turn order
         self.running: deque[Sequence] = deque()
         self.stats = LoopStats()
+        self.last_plan = Scheduled()  # what the last step fed (read after it by whoever drives the loop)
+        self.on_schedule: Callable[[Scheduled], None] | None = None  # told what a step feeds, before it runs
         self.created = time.perf_counter()  # what a sequence's time to first token counts from
 
     # --- what callers use ---------------------------------------------------------------------------
@@ -119,9 +121,11 @@ class EngineLoop:
     def step(self) -> list[Sequence]:
         """One step: schedule, run, postprocess. Returns the sequences that finished (or left) in it."""
         left = self._drop_cancelled()
-        plan = self.schedule()
+        plan = self.last_plan = self.schedule()
         if not plan.items:
             return left
+        if self.on_schedule is not None:
+            self.on_schedule(plan)
         outputs = self.run(plan)
         self.stats.steps += 1
         return left + self.postprocess(plan, outputs)

@@ -117,6 +117,7 @@ class Extractor(BoundTask):
         self.copied = tuple(task.names_of_kind("copy")) if constrained else ()
         # the vocabulary as bytes, to find which tokens wrote which field (the confidence): constrained decoding only
         self._token_bytes = token_table(loaded.tokenizer, self.generation.eos_ids).token_bytes if constrained else None
+        self._shared_want = Generate(self.generation, CONFIDENCE, self.constraint)
 
     def extract(
         self,
@@ -163,13 +164,14 @@ class Extractor(BoundTask):
     def _sequences(self, batches, stats: ExtractStats, on_finish) -> list[Sequence]:
         """Generating sequences, each under the task's decoding settings (greedy, recording log-probs for the
         fields' confidence) and constraint, with the copy fields bound to its own record's text."""
-        shared = Generate(self.generation, CONFIDENCE, self.constraint)
-        return [Sequence(prefix, item.rows, self._want(item, shared), tag=item, on_finish=on_finish)
+        return [Sequence(prefix, item.rows, self.want_of(item), tag=item, on_finish=on_finish)
                 for prefix, batch in batches for item in batch]
 
-    def _want(self, item: WorkItem, shared: Generate) -> Generate:
+    def want_of(self, item: WorkItem) -> Generate:
+        """What ``item``'s generating sequence wants: the task's decoding settings and constraint, with the copy
+        fields bound to its own record's text."""
         if not self.copied:
-            return shared
+            return self._shared_want
         bound = CopyConstraint(self.constraint, self.copied, (self.source_text(item.record),))
         return Generate(self.generation, CONFIDENCE, bound)
 

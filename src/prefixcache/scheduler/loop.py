@@ -114,6 +114,11 @@ class BoundTask:
             self.prefix_seconds = time.perf_counter() - started
         return self._prefix
 
+    @property
+    def empty(self) -> PrefixKV:
+        """The empty prefix: what an item re-encoded in full follows."""
+        return self._empty
+
     def _stream(self, records: Iterable[Record], config: RunConfig, progress: Progress | None, stats) -> Iterator:
         """Cut the records into windows and run each over the prefix this mode uses (held for this call)."""
         prefix = self._empty
@@ -210,20 +215,6 @@ class BoundTask:
         self._tally(stats, items, results)
         return results
 
-    def run_prepared(self, items: Seq[WorkItem]) -> list:
-        """Run already prepared ``items`` (from :meth:`prepare`, possibly of several calls) as one batch
-        per prefix: the stored prefix (looked up once), and the empty one for full re-encodes.
-
-        Returns one result per item, in the items' order (an item with ``error`` gets its error result).
-        This is the server's forward pass: ``batched`` mode over exactly these items.
-        """
-        items = [replace(item, index=position) for position, item in enumerate(items)]
-        needs_prefix = any(it.error is None and not it.full for it in items)
-        stored = self.prefix if needs_prefix else self._empty
-        stats = self.stats_type()
-        outputs = self.run(self.plan(items, max(1, len(items)), stored), stats, continuous=False)
-        return self.report(items, outputs, stats)
-
     # --- what a subclass defines -------------------------------------------------------------------
 
     def _route(self, index: int, record: Record, enc: Encoded, config: RunConfig) -> WorkItem:
@@ -238,7 +229,7 @@ class BoundTask:
         """The engine loop's sequences for every item of ``batches``, over its batch's prefix (``tag``: the item),
         in the batches' order. Here: scoring sequences, whose each step's sequences of one prefix go to one
         ``_forward`` call; a generating task says otherwise."""
-        want = Scores(_ForwardScorer(self, stats))
+        want = Scores(ForwardScorer(self, stats))
         return [Sequence(prefix, item.rows, want, tag=item, on_finish=on_finish) for prefix, batch in batches for item in batch]
 
     def _count_loop(self, engine: EngineLoop, seqs: list[Sequence], stats) -> None:
@@ -246,8 +237,9 @@ class BoundTask:
         here nothing: ``_forward`` counts its own calls."""
 
 
-class _ForwardScorer:
-    """A task's :class:`~prefixcache.scheduler.sequence.Scorer`: one ``_forward`` call, counted into ``stats``."""
+class ForwardScorer:
+    """A task's :class:`~prefixcache.scheduler.sequence.Scorer`: one ``_forward`` call, counted into ``stats``
+    (the sequences' ``tag``: their :class:`WorkItem`)."""
 
     def __init__(self, bound: BoundTask, stats):
         self.bound, self.stats = bound, stats

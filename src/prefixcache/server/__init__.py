@@ -1,9 +1,9 @@
-"""The HTTP service: FastAPI routes, a micro-batcher and Prometheus metrics over cached prefixes.
+"""The HTTP service: FastAPI routes over one engine loop, and Prometheus metrics, over cached prefixes.
 
-Modules: ``settings`` (limits, one frozen dataclass), ``runners`` (what a task
-kind does with a batch), ``batcher`` (merging requests into passes),
+Modules: ``settings`` (limits, one frozen dataclass), ``runners`` (a task kind's items as engine-loop
+sequences), ``engine_thread`` (admission, and the model thread that steps the engine loop),
 ``service`` (registry + threads), ``prometheus`` (metrics), ``middleware`` (metrics, auth, body limit),
-``schemas`` (HTTP bodies), ``app`` (routes), ``scheduler`` (uvicorn on a socket),
+``schemas`` (HTTP bodies), ``app`` (routes), ``launch`` (uvicorn on a socket),
 ``static/index.html`` (the web page).
 
 Importing this package is cheap: FastAPI is imported only when ``create_app``

@@ -113,10 +113,10 @@ def _service_routes(app: FastAPI, service: Service) -> None:
 
     @app.get("/healthz", response_model=Health, tags=["service"], responses={503: {"model": Health}})
     async def healthz(response: Response) -> Health:
-        """200 once every start-up prefix is built and while batching runs; 503 if batching stopped. Needs no key."""
-        if not service.batcher.running:
+        """200 once every start-up prefix is built and while the engine thread runs; 503 if it stopped. Needs no key."""
+        if not service.engine.running:
             response.status_code = 503
-            return Health(status="batching stopped", tasks=len(service.tasks()))
+            return Health(status="engine stopped", tasks=len(service.tasks()))
         return Health(status="ok", tasks=len(service.tasks()))
 
     @app.get("/metrics", tags=["service"], response_class=Response, responses=FORBIDDEN)
@@ -128,7 +128,7 @@ def _service_routes(app: FastAPI, service: Service) -> None:
     @app.get("/v1/stats", response_model=Stats, tags=["service"])
     async def stats() -> Stats:
         """Live figures: items/s over the last 10 s, prefix hit rate, queue depth."""
-        return Stats(**service.metrics.summary(service.batcher.depth, service.batcher.in_progress, len(service.tasks())))
+        return Stats(**service.metrics.summary(service.engine.depth, service.engine.in_progress, len(service.tasks())))
 
 
 def _item_routes(app: FastAPI, service: Service) -> None:

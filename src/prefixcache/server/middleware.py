@@ -11,7 +11,7 @@ Each is a plain ASGI wrapper, so it also covers routes FastAPI builds itself
   the admin paths (:func:`admin_only`) need it: the client key gets 403 there, no
   key or a wrong one 401. Either answer comes before the body is read. The caller's
   role goes into the scope (:data:`ROLE`) for the routes, and so does who is calling
-  (:data:`CLIENT`, for the batcher's per-client share and turns).
+  (:data:`CLIENT`, for the per-client share and the engine loop's turns).
 * :class:`BodyLimit`: bodies over ``max_bytes`` get 413, whether announced by
   ``Content-Length`` or streamed in chunks; the app sees a body only once it
   is known to fit.
@@ -38,7 +38,7 @@ ROLE = "prefixcache.role"
 ``"client"`` (it sent the client key) or None (no key, or no key is configured)."""
 
 CLIENT = "prefixcache.client"
-"""The scope key of who is calling, as the batcher tells clients apart: the role and the peer's host
+"""The scope key of who is calling, as admission and the engine loop tell clients apart: the role and the peer's host
 (``"client@10.0.0.7"``, ``"admin@10.0.0.7"``, ``"anonymous@10.0.0.7"``). Not a key hash: there is one client
 key, so every key holder would be one client. Not the port: a client opening more connections would get
 more shares. Behind a proxy the host is the proxy's unless uvicorn is told to trust it (``--forwarded-allow-ips``),

@@ -1,8 +1,8 @@
 """The OpenAI-compatible routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``.
 
-They sit on the same service as the task routes: the same key, body limit, admission limit, micro-batcher,
+They sit on the same service as the task routes: the same key, body limit, admission limit, engine loop,
 prefix pool and metrics. A request is parsed here (a 400 in OpenAI's error shape naming the field),
-planned on a prep thread (:func:`~prefixcache.server.openai_plan.plan`), queued on the batcher, and
+planned on a prep thread (:func:`~prefixcache.server.openai_plan.plan`), submitted to the engine thread, and
 answered as one JSON body or, with ``stream: true``, as server-sent events in OpenAI's chunk format,
 one event per piece of text as the model produces it.
 
@@ -71,14 +71,14 @@ async def _serve(service: Service, model_name: str, kind, body: bytes, client: s
     chat = kind is ChatCompletionRequest
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        admission = service.batcher.admit(1, client=client)
+        admission = service.engine.admit(1, client=client)
         admission.__enter__()  # QueueFullError here is a 429 with Retry-After, before the stream's 200
         return _AdmittedStream(
             lambda: admission.__exit__(None, None, None), _stream(service, planned, model_name, chat, include_usage, client),
             media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )
-    with service.batcher.admit(1, client=client):
-        result = (await service.batcher.submit(planned.runner, [planned.item], client=client))[0]
+    with service.engine.admit(1, client=client):
+        result = (await service.engine.submit(planned.runner, [planned.item], client=client)).results[0]
     build = chat_response if chat else completion_response
     if result.get("logprobs"):
         return await service.on_prep_thread(lambda tokenizer: build(result, model_name, tokenizer))
@@ -99,7 +99,7 @@ async def _stream(service: Service, planned: Plan, model_name: str, chat: bool, 
     try:  # admitted by the caller (_AdmittedStream gives the room back when the response ends)
         if chat:
             yield chunk.event(role="assistant", content="")
-        job = asyncio.ensure_future(service.batcher.submit(planned.runner, [planned.item], client=client))
+        job = asyncio.ensure_future(service.engine.submit(planned.runner, [planned.item], client=client))
         while not job.done() or not tokens.empty():
             getter = asyncio.ensure_future(tokens.get())
             await asyncio.wait({getter, job}, return_when=asyncio.FIRST_COMPLETED)
@@ -109,11 +109,11 @@ async def _stream(service: Service, planned: Plan, model_name: str, chat: bool, 
             piece = text.add(getter.result())
             if piece:
                 yield chunk.event(content=piece)
-        result = job.result()[0]
+        result = job.result().results[0]
     except PrefixCacheError as exc:
         yield f"data: {json.dumps(openai_error(str(exc), 500))}\n\n"
         return
-    finally:  # the client went away (the stream was cancelled): its queued item is dropped, never run
+    finally:  # the client went away (the stream was cancelled): its sequence leaves the loop at the next step
         if job is not None and not job.done():
             job.cancel()
     rest = text.rest(result["text"])

@@ -60,13 +60,13 @@ class Metrics:
         )
         self.items = Counter("prefixcache_items", "Items answered, by task and kind.", ["task", "kind"], registry=r)
         self.batch_size = Histogram(
-            "prefixcache_batch_size", "Items per forward pass.", ["task"], buckets=BATCH_BUCKETS, registry=r
+            "prefixcache_batch_size", "Sequences (items, requests) per step of the engine loop.", ["task"], buckets=BATCH_BUCKETS, registry=r
         )
         self.batch_seconds = Histogram(
-            "prefixcache_batch_seconds", "Time of one forward pass.", ["task"], buckets=LATENCY_BUCKETS, registry=r
+            "prefixcache_batch_seconds", "Time of one step of the engine loop.", ["task"], buckets=LATENCY_BUCKETS, registry=r
         )
         self.queue_wait_seconds = Histogram(
-            "prefixcache_queue_wait_seconds", "Time an item waited before its pass started.",
+            "prefixcache_queue_wait_seconds", "Time an item waited before its first step.",
             buckets=LATENCY_BUCKETS, registry=r,
         )
         self.queue_depth = Gauge("prefixcache_queue_depth", "Items waiting for the model.", registry=r)
@@ -92,7 +92,7 @@ class Metrics:
         self._abstained: dict[str, set[str]] = {}  # per task, the best-guess labels it has abstention series for
         self._lock = threading.Lock()
         self._done: deque[tuple[float, int]] = deque()  # (monotonic time, items) of recent passes
-        self._totals = {"items": 0, "hits": 0, "misses": 0, "batches": 0, "requests": 0}
+        self._totals = {"items": 0, "hits": 0, "misses": 0, "batches": 0, "requests": 0, "fed": 0}
         self._kinds: dict[str, str] = {}  # each registered task's kind
         self._deleted: OrderedDict[str, None] = OrderedDict()  # deleted, not registered since (DELETED_KEPT)
         self._per_task = (  # every metric labelled by task alone
@@ -116,27 +116,31 @@ class Metrics:
         with self._lock:
             self._totals["requests"] += 1
 
-    def record_batch(self, task: str, kind: str, size: int, hits: int, seconds: float) -> None:
-        """One forward pass of ``size`` items, ``hits`` of them over the stored prefix.
+    def record_batch(self, task: str, kind: str, size: int, hits: int, seconds: float, new: int | None = None) -> None:
+        """One step of ``size`` sequences of ``task``, ``new`` of them (default: all) fed for the first time (items
+        counted once each, when first fed), ``hits`` of those over the stored prefix.
 
         The task's labelled series count it unless ``task`` was deleted, or is now registered with
         another kind (:meth:`record_prefix`); the totals and unlabelled series always do.
         """
         now = time.monotonic()
         with self._lock:  # held across the labelled updates, so a concurrent record_removed cannot be undone
+            new = size if new is None else new
             if task not in self._deleted and self._kinds.get(task, kind) == kind:
-                self.items.labels(task, kind).inc(size)
+                if new:
+                    self.items.labels(task, kind).inc(new)
                 self.batch_size.labels(task).observe(size)
                 self.batch_seconds.labels(task).observe(seconds)
                 self.prefix_hits.labels(task).inc(hits)
-                if size - hits:
-                    self.prefix_misses.labels(task).inc(size - hits)
-            self._done.append((now, size))
+                if new - hits:
+                    self.prefix_misses.labels(task).inc(new - hits)
+            self._done.append((now, new))
             self._trim(now)
-            self._totals["items"] += size
+            self._totals["items"] += new
             self._totals["hits"] += hits
-            self._totals["misses"] += size - hits
+            self._totals["misses"] += new - hits
             self._totals["batches"] += 1
+            self._totals["fed"] += size
 
     def record_answers(self, task: str, results) -> None:
         """Count the abstentions among a request's answered ``results`` (their JSON documents), per best guess."""
@@ -202,7 +206,7 @@ class Metrics:
             "items_per_second": round(rate, 2),
             "requests_total": totals["requests"],
             "batches_total": totals["batches"],
-            "mean_batch_size": round(totals["items"] / totals["batches"], 2) if totals["batches"] else None,
+            "mean_batch_size": round(totals["fed"] / totals["batches"], 2) if totals["batches"] else None,
             "prefix_hit_rate": round(totals["hits"] / scored, 4) if scored else None,
             "queue_depth": queue_depth,
             "in_progress": in_progress,

@@ -1,29 +1,30 @@
-"""Task runners: what the server does with a batch of items for one task.
+"""Task runners: what the server makes of one request's items for one task.
 
-A runner binds one task to one model. It has two halves, run on two threads:
+A runner binds one task to one model. It has three parts, run on two threads:
 
-* :meth:`TaskRunner.prepare` (the *prep* thread): turn request items into
+* :meth:`TaskRunner.prepare` (a *prep* thread): turn request items into
   :class:`~prefixcache.scheduler.loop.WorkItem` token rows with the engine's own
   :meth:`~prefixcache.scheduler.loop.BoundTask.prepare` (rendering, the prefix boundary
   check and, for classification, the context check), then check the server's
   limits, naming the item that breaks one. It tokenizes with the prep thread's
   own tokenizer copy, never the model thread's.
-* :meth:`TaskRunner.run` (the *model* thread): one forward pass for a batch of
-  prepared items, possibly from many requests, through
-  :meth:`~prefixcache.scheduler.loop.BoundTask.run_prepared`; results in the batch's order.
+* :meth:`TaskRunner.sequences` (the *model* thread): the items as sequences of the engine loop
+  (:mod:`prefixcache.scheduler.sequence`), over the task's prefix (looked up in the pool here) or, for an
+  item re-encoded in full, the empty prefix; with how many stored-prefix tokens they reuse.
+* :meth:`TaskRunner.answer` (the *model* thread): a finished sequence's JSON-ready result.
 
-So a server result is exactly what the library returns for that record in
-``batched`` mode: the same preparation and the same engine call.
+A classification item is a scoring sequence whose scorer is the Classifier's own engine call; an extraction
+item is a generating sequence with the Extractor's decoding settings and constraint. So a server result is
+exactly what the library returns for that record: the same preparation and the same engine calls.
 
 Runners are chosen by the task's ``kind`` through :data:`RUNNER_KINDS`:
-``classify`` (:class:`ClassifyRunner`, one scoring pass) and ``extract``
-(:class:`ExtractRunner`, batched greedy generation). Both go through the same
-batcher, limits and metrics.
+``classify`` (:class:`ClassifyRunner`) and ``extract`` (:class:`ExtractRunner`). Both go through the same
+engine thread, limits and metrics.
 
 Prefixes come from the service's :class:`~prefixcache.cache.pool.PrefixPool`: a runner
 looks its prefix up once on construction (building it, or finding it held) and
-once per pass, and never keeps it in between, so the pool's byte budget and
-evictions govern prefix memory. Without a pool (``pool=None``) a runner builds
+once per request, and never keeps it in between (a request's sequences hold it while they run), so the
+pool's byte budget and evictions govern prefix memory. Without a pool (``pool=None``) a runner builds
 its prefix once and keeps it.
 
 This module knows nothing about HTTP or queues.
@@ -31,10 +32,12 @@ This module knows nothing about HTTP or queues.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, ClassVar, Protocol, Sequence
 
-from ..errors import ItemError, TaskUploadError
-from ..scheduler.loop import BoundTask, WorkItem
+from ..errors import ItemError, SequenceFailedError, TaskUploadError
+from ..scheduler.loop import BoundTask, Failure, ForwardScorer, WorkItem
+from ..scheduler.sequence import Scores, Sequence as EngineSequence, Status
 from ..scheduler.extract import Extractor
 from ..model.load import LoadedModel
 from ..cache.pool import PrefixKey, PrefixPool
@@ -47,16 +50,22 @@ from ..task.definition import ExtractTask, Task
 from .settings import ServerSettings
 
 
-class TaskRunner(Protocol):
-    """The contract every runner kind meets.
+@dataclass(frozen=True)
+class Submitted:
+    """A request's sequences (one per item, in order) and the stored-prefix tokens they do not recompute."""
 
-    ``prepare`` may be called from the prep thread while ``scheduler`` executes on the
-    model thread; neither mutates shared state (the prefix is read-only).
+    sequences: list[EngineSequence]
+    prefix_tokens_reused: int
+
+
+class TaskRunner(Protocol):
+    """The contract every runner kind meets (the OpenAI routes' runners meet it too).
+
+    ``prepare`` may be called from a prep thread while ``sequences`` and ``answer`` run on the
+    model thread; none mutates shared state (the prefix is read-only).
     """
 
     kind: ClassVar[str]
-    decodes: ClassVar[bool]
-    """True when a pass decodes step by step (long): the batcher runs short passes between its steps."""
     task: Task | ExtractTask
     prefix_key: PrefixKey
     """The prefix's identity in the pool (what a DELETE unpins)."""
@@ -70,16 +79,20 @@ class TaskRunner(Protocol):
         """Tokenize ``records`` with ``tokenizer``. Raises ItemError naming the first bad item."""
         ...
 
-    def run(self, batch: Sequence[WorkItem]) -> list[dict]:
-        """Forward ``batch`` (any mix of requests) and return one JSON-ready result per item, in order; each
-        may carry :data:`REUSED` for the usage, which :func:`reused_prefix_tokens` takes out."""
+    def sequences(self, items: Sequence) -> Submitted:
+        """On the model thread: one engine-loop sequence per item, in order (``tag``: the item)."""
+        ...
+
+    def answer(self, seq: EngineSequence) -> dict:
+        """On the model thread: the JSON-ready result of a sequence that ended. Raises SequenceFailedError for a
+        sequence the loop failed."""
         ...
 
 
 class _BoundRunner:
     """What both runner kinds share: a :class:`~prefixcache.scheduler.loop.BoundTask` (a Classifier or an
-    Extractor) whose prefix is built (or found in the pool) on construction, and the two halves,
-    ``prepare`` and ``scheduler``, that go through it.
+    Extractor) whose prefix is built (or found in the pool) on construction, and the three parts,
+    ``prepare``, ``sequences`` and ``answer``, that go through it.
 
     Construct it on the model thread: building the prefix runs the model.
     ``prefix_limit`` (uploads only) is checked before the prefix is built.
@@ -91,7 +104,6 @@ class _BoundRunner:
     """
 
     kind: ClassVar[str]
-    decodes: ClassVar[bool] = False
 
     def __init__(self, loaded: LoadedModel, task: Task | ExtractTask, bound: BoundTask, prefix_limit: int | None):
         self.task = task
@@ -104,24 +116,26 @@ class _BoundRunner:
     def prepare(self, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[WorkItem]:
         return prepare_items(self.bound, tokenizer, records, max_item_tokens)
 
-    def run(self, batch: Sequence[WorkItem]) -> list[dict]:
-        """One pass over the stored prefix (plus one over the empty prefix for boundary fallbacks).
-
-        Each result carries :data:`REUSED` (removed before it is answered): the stored-prefix tokens that its
-        item did not recompute. The pass's first item over the prefix is charged what the pool lookup
-        computed (a prefix evicted and rebuilt for this pass reused nothing, or only a shared leading part);
-        the pass's other items reused the whole prefix; an item re-encoded in full reused nothing.
-        """
+    def sequences(self, items: Sequence[WorkItem]) -> Submitted:
+        """The items as sequences: after the stored prefix (looked up once, here), or after the empty prefix for
+        an item re-encoded in full. The first item over the stored prefix is charged what the pool lookup
+        computed (a prefix evicted and rebuilt for this request reused nothing, or only a shared leading part);
+        the request's other items reused the whole prefix; an item re-encoded in full reused nothing."""
         self.bound.last_lookup = None
-        results = [result.to_json() for result in self.bound.run_prepared(batch)]
+        stored = self.bound.prefix if any(not item.full for item in items) else None
         lookup = self.bound.last_lookup  # None: the runner keeps its own prefix (no pool), never rebuilt
-        charged = False
-        for item, result in zip(batch, results):
-            reused = 0 if item.full else self.prefix_tokens
-            if not item.full and not charged and lookup is not None:
-                reused, charged = lookup.tokens_reused, True
-            result[REUSED] = reused
-        return results
+        cached = [item for item in items if not item.full]
+        reused = self.prefix_tokens * len(cached)
+        if cached and lookup is not None:
+            reused += lookup.tokens_reused - self.prefix_tokens
+        seqs = [EngineSequence(self.bound.empty if item.full else stored, item.rows, self._want(item), tag=item)
+                for item in items]
+        return Submitted(seqs, reused)
+
+    def answer(self, seq: EngineSequence) -> dict:
+        if seq.status is not Status.FINISHED:
+            raise failed(seq)
+        return self.bound._result(seq.tag, seq.result).to_json()
 
 
 class ClassifyRunner(_BoundRunner):
@@ -135,6 +149,10 @@ class ClassifyRunner(_BoundRunner):
         pool: PrefixPool | None = None,
     ):
         super().__init__(loaded, task, Classifier(loaded, task, settings.method, pool=pool), prefix_limit)
+        self._scores = Scores(ForwardScorer(self.bound, self.bound.stats_type()))  # one engine call per step
+
+    def _want(self, item: WorkItem) -> Scores:
+        return self._scores
 
     def describe(self) -> dict:
         return {
@@ -151,16 +169,24 @@ class ClassifyRunner(_BoundRunner):
 
 class ExtractRunner(_BoundRunner):
     """An extraction task (``kind: extract``) on a model, over :class:`~prefixcache.scheduler.extract.Extractor`:
-    a pass is one :func:`~prefixcache.engine.generate.generate_rows` call (greedy, the whole batch at once)."""
+    each item is a generating sequence of the engine loop, refilled as others finish."""
 
     kind: ClassVar[str] = "extract"
-    decodes: ClassVar[bool] = True  # a pass decodes step by step: the batcher lets short passes in between
 
     def __init__(
         self, loaded: LoadedModel, task: ExtractTask, settings: ServerSettings, prefix_limit: int | None = None,
         pool: PrefixPool | None = None,
     ):
         super().__init__(loaded, task, Extractor(loaded, task, pool=pool), prefix_limit)
+
+    def _want(self, item: WorkItem):
+        return self.bound.want_of(item)
+
+    def answer(self, seq: EngineSequence) -> dict:
+        """A parsed extraction; a sequence whose constraint failed is that item's error (as the CLI reports it)."""
+        if seq.status is Status.FAILED:
+            return self.bound._result(seq.tag, Failure(seq.error or "failed")).to_json()
+        return super().answer(seq)
 
     def describe(self) -> dict:
         return {
@@ -200,13 +226,9 @@ def prepare_items(bound: BoundTask, tokenizer, records: Sequence[Record], max_it
     return items
 
 
-REUSED = "_prefix_tokens_reused"
-"""The key of a runner's result that says how many stored-prefix tokens its item did not recompute."""
-
-
-def reused_prefix_tokens(results: Sequence[dict]) -> int:
-    """Stored-prefix tokens the items of ``results`` did not recompute; takes :data:`REUSED` out of each result."""
-    return sum(result.pop(REUSED, 0) for result in results)
+def failed(seq: EngineSequence) -> SequenceFailedError:
+    """The error for a sequence the engine loop did not finish (its engine call raised, its constraint failed)."""
+    return SequenceFailedError(f"the engine could not finish this item: {seq.error or seq.status.value}")
 
 
 def check_prefix_size(task: Task | ExtractTask, tokenizer, limit: int | None) -> int:

@@ -1,8 +1,9 @@
-"""The service behind the routes: a task registry, a prefix pool, two threads and the micro-batcher.
+"""The service behind the routes: a task registry, a prefix pool, the engine thread and the prep threads.
 
 Threads (per model):
 
-* the *model* thread runs every forward pass and every prefix build, one at a time;
+* the *model* thread (:class:`~prefixcache.server.engine_thread.EngineThread`) steps the engine loop, and
+  builds prefixes between steps; only it runs the model;
 * the *prep* threads (:data:`PREP_THREADS`) tokenize request items, each call with a
   tokenizer copy it holds alone (so tokenization overlaps the model's work, a burst of
   requests is tokenized in parallel, and no tokenizer is used by two threads at once).
@@ -11,9 +12,9 @@ The event loop only routes: it never tokenizes and never runs the model.
 
 Every task's prefix lives in one :class:`~prefixcache.cache.pool.PrefixPool` (byte
 budget ``settings.cache_budget_bytes``, LRU eviction). Runners look their prefix
-up once per pass, on the model thread, and keep nothing of it between passes, so an
-evicted prefix is freed once its passes end and rebuilt when its task is next used:
-the prefix bytes alive are at most the budget plus the prefixes of passes in flight.
+up once per request, on the model thread, and keep nothing of it between requests, so an
+evicted prefix is freed once the sequences that hold it end, and rebuilt when its task is next used:
+the prefix bytes alive are at most the budget plus the prefixes of sequences in flight.
 Tasks with the same prefix tokens share one entry. ``settings.max_tasks`` caps how many
 tasks are registered.
 
@@ -21,8 +22,8 @@ The tasks given to ``start`` are the operator's *start-up tasks*: only a caller 
 (``operator=True``: the HTTP app passes it for the admin key) may replace or delete them.
 
 A task is replaced or deleted by swapping the registry entry. Requests accepted
-before the swap finish on the runner they were accepted for (the batcher keys
-its queues by runner, not by name), so no request ever mixes two versions of a task. The pool entry of a
+before the swap finish on the runner they were accepted for (a request holds its runner, not its
+task's name), so no request ever mixes two versions of a task. The pool entry of a
 deleted or replaced task is not dropped at once: it is unpinned (when no other
 task pins it) and evicted when the budget needs the room.
 
@@ -36,6 +37,7 @@ import copy
 import logging
 import queue
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence, TypeVar
 
@@ -45,12 +47,13 @@ from ..errors import (
 )
 from ..model.load import LoadedModel
 from ..cache.pool import PoolConfig, PrefixPool
+from ..scheduler.engine_loop import EngineLoop, LoopConfig
 from ..types import Record
 from ..task.definition import ExtractTask, Task
-from .batcher import MicroBatcher
+from .engine_thread import EngineThread
 from .prometheus import Metrics
 from .openai_runners import OpenAIRunners
-from .runners import TaskRunner, build_runner, check_prefix_size, reused_prefix_tokens
+from .runners import TaskRunner, build_runner, check_prefix_size
 from .settings import ADMIN_KEY_ENV, ServerSettings
 
 log = logging.getLogger(__name__)
@@ -71,7 +74,7 @@ PREP_THREADS = 2  # tokenizing the returning clients of a pass in parallel short
 class Service:
     """Tasks served on one model. Call every coroutine from the event loop's thread.
 
-    Lifecycle: ``await start(tasks)`` builds each task's prefix, then starts batching;
+    Lifecycle: ``await start(tasks)`` starts the engine thread and builds each task's prefix on it;
     ``await stop()`` fails what is still queued and releases the threads.
     """
 
@@ -79,29 +82,32 @@ class Service:
         self.loaded = loaded
         self.settings = settings
         self.metrics = metrics
-        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="prefixcache-model")
         self._prep_threads = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="prefixcache-prep")
         self._prep_tokenizers: queue.SimpleQueue = queue.SimpleQueue()  # one copy per prep thread, lent per call
         for _ in range(PREP_THREADS):
             self._prep_tokenizers.put(copy.deepcopy(loaded.tokenizer))
         self.stream_tokenizer = copy.deepcopy(loaded.tokenizer)  # the event loop's own: decodes streamed tokens
-        self.batcher = MicroBatcher(self._model_thread, settings, metrics)
+        loop_config = LoopConfig(settings.max_step_tokens, settings.max_batch)
+        self.engine = EngineThread(EngineLoop(loaded.model, loaded.tokenizer, loop_config), settings, metrics)
         self.pool = PrefixPool(PoolConfig(budget_bytes=settings.cache_budget_bytes))  # used on the model thread only
         metrics.watch_pool(self.pool)
         self._runners: dict[str, TaskRunner] = {}
         self._startup: set[str] = set()  # the registered tasks that are start-up tasks (not replaced since)
         self.openai = OpenAIRunners(loaded, self.pool, settings.method)  # the OpenAI-compatible routes' runners
-        self._builds = asyncio.Lock()  # one prefix build at a time on the model thread (passes run between builds)
+        self._builds = asyncio.Lock()  # one prefix build at a time on the model thread (steps run between builds)
 
     async def start(self, tasks: Sequence[Task | ExtractTask]) -> None:
-        for task in tasks:
-            await self.register(task, uploaded=False)
-        self.batcher.start()
+        self.engine.start()
+        try:
+            for task in tasks:
+                await self.register(task, uploaded=False)
+        except BaseException:
+            await self.engine.stop()
+            raise
 
     async def stop(self) -> None:
-        await self.batcher.stop()
+        await self.engine.stop()
         self._prep_threads.shutdown(wait=True)
-        self._model_thread.shutdown(wait=True)
 
     # --- tasks -------------------------------------------------------------------------------------
 
@@ -153,15 +159,12 @@ class Service:
                 f"task {task.name!r}: field 'pin': only the tasks the server starts with may pin their prefix "
                 "(an uploaded task's prefix is evicted like any other when the pool needs room); drop 'pin'"
             )
-        loop = asyncio.get_running_loop()
         limit = self.settings.max_prefix_tokens if uploaded else None
         if uploaded:  # sized on a prep thread: an oversized prefix never reaches the model thread
             await self.on_prep_thread(lambda tokenizer: check_prefix_size(task, tokenizer, limit))
         try:
-            async with self._builds:  # queued builds wait here, not in the model thread's queue ahead of passes
-                runner = await loop.run_in_executor(
-                    self._model_thread, build_runner, self.loaded, task, self.settings, limit, self.pool
-                )
+            async with self._builds:  # queued builds wait here, not in the model thread's inbox ahead of requests
+                runner = await self.engine.call(partial(build_runner, self.loaded, task, self.settings, limit, self.pool))
         except PoolBudgetError as exc:
             if not uploaded:
                 raise
@@ -224,19 +227,21 @@ class Service:
             return
         if any(r.task.pin and r.prefix_key == old.prefix_key for r in self._runners.values()):
             return
-        self._model_thread.submit(self.pool.unpin, old.prefix_key)
+        self.engine.call_soon(partial(self.pool.unpin, old.prefix_key))
 
     # --- items -------------------------------------------------------------------------------------
 
     async def run(
         self, kind: str, name: str, records: Sequence[Record], client: Hashable | None = None
     ) -> tuple[list[dict], Usage]:
-        """Prepare ``records`` for task ``name`` (of ``kind``), run them through the batcher, return results and usage.
+        """Prepare ``records`` for task ``name`` (of ``kind``), run them through the engine loop, return results and
+        usage.
 
-        ``client`` names the caller for the batcher's per-client share and turns (None: bound by ``max_queue`` only).
+        ``client`` names the caller for the per-client share and turns (None: bound by ``max_queue`` only).
 
         Raises:
-            UnknownTaskError, WrongTaskKindError, RequestLimitError, ItemError, QueueFullError, ShuttingDownError.
+            UnknownTaskError, WrongTaskKindError, RequestLimitError, ItemError, QueueFullError, ShuttingDownError,
+            SequenceFailedError.
         """
         runner = self.runner(name, kind)
         if len(records) > self.settings.max_items:
@@ -244,12 +249,12 @@ class Service:
                 f"{len(records)} items in one request, more than max_items={self.settings.max_items}; split the request"
             )
         loop = asyncio.get_running_loop()
-        with self.batcher.admit(len(records), client):
+        with self.engine.admit(len(records), client):
             prepared = await loop.run_in_executor(self._prep_threads, self._prepare, runner, records)
-            results = await self.batcher.submit(runner, prepared, client)
-        self.metrics.record_answers(name, results)
-        usage = Usage(reused_prefix_tokens(results), sum(len(item.rows) for item in prepared))
-        return results, usage
+            answers = await self.engine.submit(runner, prepared, client)
+        self.metrics.record_answers(name, answers.results)
+        usage = Usage(answers.prefix_tokens_reused, sum(len(item.rows) for item in prepared))
+        return answers.results, usage
 
     def _prepare(self, runner: TaskRunner, records: Sequence[Record]):
         """On a prep thread: ``runner.prepare`` with a tokenizer copy no other thread holds meanwhile."""

@@ -24,16 +24,14 @@ DEFAULT_LOG_LEVEL = "info"
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """Limits and batching knobs of one server.
+    """Limits and scheduling knobs of one server.
 
     Attributes:
         host, port: where ``serve`` listens (loopback by default; port 0 picks a free one).
-        max_batch: most items merged into one forward pass.
-        max_wait_ms: the longest the oldest queued item may wait for companions before its pass starts.
-        arrival_gap_ms: a pass that is not full starts sooner, once no item has arrived for this long:
-            a burst of requests (clients answered by the last pass coming back) is gathered whole,
-            and a lone request is not held for ``max_wait_ms``.
-        max_queue: most items in progress (being tokenized, queued or in a pass; all tasks together); more gets 429.
+        max_batch: most sequences (items and requests) in one step of the engine loop.
+        max_step_tokens: most tokens one step feeds (new items' own tokens and running sequences' next ones): a
+            long prompt is fed in chunks of at most this many, so what shares the loop keeps its turn.
+        max_queue: most items in progress (being tokenized, queued or running; all tasks together); more gets 429.
         max_queue_per_client: most items in progress for one client (the HTTP app tells clients apart by their
             role and address); more gets 429 even while ``max_queue`` has room. None (the default) means half of
             ``max_queue``, but at least ``max_items``: see :attr:`client_share`. At least ``max_items`` (a
@@ -69,8 +67,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch: int = 32
-    max_wait_ms: float = 50.0
-    arrival_gap_ms: float = 20.0
+    max_step_tokens: int = 512
     max_queue: int = 1024
     max_queue_per_client: int | None = None
     max_items: int = 256
@@ -89,14 +86,11 @@ class ServerSettings:
     admin_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        for name in ("max_batch", "max_queue", "max_items", "max_item_tokens", "max_body_bytes", "max_prefix_tokens",
+        for name in ("max_batch", "max_step_tokens", "max_queue", "max_items", "max_item_tokens", "max_body_bytes", "max_prefix_tokens",
                      "max_task_bytes", "max_labels", "max_examples", "max_tasks", "max_choice_chars", "max_choice_tokens",
                      "cache_budget_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1, not {getattr(self, name)}")
-        for name in ("max_wait_ms", "arrival_gap_ms"):
-            if getattr(self, name) < 0:
-                raise SettingsError(f"{name} must be 0 or more, not {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise SettingsError(f"port must be between 0 and 65535, not {self.port}")
         if self.max_items > self.max_queue:
@@ -122,14 +116,6 @@ class ServerSettings:
         if self.max_queue_per_client is not None:
             return self.max_queue_per_client
         return max(self.max_items, self.max_queue // 2)
-
-    @property
-    def max_wait_s(self) -> float:
-        return self.max_wait_ms / 1000.0
-
-    @property
-    def arrival_gap_s(self) -> float:
-        return self.arrival_gap_ms / 1000.0
 
     @classmethod
     def from_env(cls, **overrides) -> ServerSettings:
