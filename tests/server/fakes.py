@@ -63,16 +63,18 @@ class FakeRunner:
         return seq.result
 
 
-def engine_thread(settings: ServerSettings, metrics: Metrics | None = None) -> EngineThread:
-    """An engine thread over a loop with no model (fake runners' sequences only score)."""
-    loop = EngineLoop(None, None, LoopConfig(settings.max_step_tokens, settings.max_batch))
+def engine_thread(settings: ServerSettings, metrics: Metrics | None = None, loaded=None) -> EngineThread:
+    """An engine thread over a loop with no model (fake runners' sequences only score), or ``loaded``'s."""
+    model, tokenizer = (None, None) if loaded is None else (loaded.model, loaded.tokenizer)
+    loop = EngineLoop(model, tokenizer, LoopConfig(settings.max_step_tokens, settings.max_batch))
     return EngineThread(loop, settings, metrics or Metrics())
 
 
-def run_with(settings: ServerSettings, scenario, metrics: Metrics | None = None):
-    """Run ``await scenario(thread)`` against a started engine thread; stop it after."""
+def run_with(settings: ServerSettings, scenario, metrics: Metrics | None = None, loaded=None):
+    """Run ``await scenario(thread)`` against a started engine thread (over ``loaded``'s model, if given); stop it
+    after."""
     async def main():
-        thread = engine_thread(settings, metrics)
+        thread = engine_thread(settings, metrics, loaded)
         thread.start()
         try:
             return await scenario(thread)

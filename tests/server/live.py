@@ -105,6 +105,18 @@ def requests_of_sizes(records: list[Record], sizes: tuple[int, ...], max_batch: 
     return requests
 
 
+def queued_while_held(server, body: dict, first: list) -> threading.Thread:
+    """Under :func:`model_thread_held`: send ``body`` to ``/v1/classify`` from a thread (its answer appended to
+    ``first``) and return once its items are admitted and waiting; join the thread after the hold."""
+    sender = threading.Thread(target=lambda: first.append(call(server, "POST", "/v1/classify", body)))
+    sender.start()
+    deadline = time.monotonic() + 10  # a bound on a hang, not a timing assertion
+    while call(server, "GET", "/v1/stats")[2]["in_progress"] < len(body["items"]):
+        assert time.monotonic() < deadline, "the first request never reached the queue"
+        time.sleep(0.01)
+    return sender
+
+
 def post_while_held(server, path: str, task: str, requests: list[list[Record]]) -> list:
     """:func:`post_concurrently`, with the model thread held until every item is admitted: the engine loop then
     finds them all waiting at its next step, as under load. Answers in request order."""

@@ -23,8 +23,8 @@ from prefixcache.server import ServerSettings, ServerThread, create_app
 from prefixcache.server.settings import API_KEY_ENV
 
 from tests.server.live import (
-    TASK, assert_same_prediction, call, metric, metric_samples, model_thread_held, post_while_held, requests_of_sizes, serving,
-    unmerged_passes,
+    TASK, assert_same_prediction, call, metric, metric_samples, model_thread_held, post_while_held, queued_while_held,
+    requests_of_sizes, serving, unmerged_passes,
 )
 from tests.support.tasks import TASK_YAML, TEXTS
 
@@ -193,12 +193,7 @@ def test_full_queue_429_with_retry_after(loaded, task):
     with serving(loaded, [task], max_queue=4, max_items=4, max_batch=64) as server:
         first: list = []
         with model_thread_held(server):
-            waiting = threading.Thread(target=lambda: first.append(call(server, "POST", "/v1/classify", {"task": TASK, "items": ["a", "b", "c"]})))
-            waiting.start()
-            deadline = time.monotonic() + 10
-            while call(server, "GET", "/v1/stats")[2]["in_progress"] < 3:
-                assert time.monotonic() < deadline, "the first request never reached the queue"
-                time.sleep(0.01)
+            waiting = queued_while_held(server, {"task": TASK, "items": ["a", "b", "c"]}, first)
             status, headers, body = call(server, "POST", "/v1/classify", {"task": TASK, "items": ["d", "e"]})
         waiting.join()
         samples = metric_samples(server)

@@ -19,7 +19,7 @@ from prefixcache.server.runners import ExtractRunner
 from prefixcache.server.settings import ServerSettings
 from prefixcache.task.definition import parse_task
 
-from tests.server.fakes import FakeRunner, engine_thread, item, until
+from tests.server.fakes import FakeRunner, item, run_with, until
 from tests.support.tasks import EXTRACT_YAML, TEXTS
 
 SETTINGS = ServerSettings(max_batch=8)
@@ -48,16 +48,7 @@ class StepPause:
 
 
 def with_real_engine(loaded, scenario):
-    async def main():
-        thread = engine_thread(SETTINGS)
-        thread.engine.model, thread.engine.tokenizer = loaded.model, loaded.tokenizer
-        thread.start()
-        try:
-            return await scenario(thread)
-        finally:
-            await thread.stop()
-
-    return asyncio.run(main())
+    return run_with(SETTINGS, scenario, loaded=loaded)
 
 
 def records(count: int) -> list[Record]:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.support.models import tiny_loaded
-from tests.server.live import TASK, call, model_thread_held, serving
+from tests.server.live import TASK, call, model_thread_held, queued_while_held, serving
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +40,7 @@ def test_a_stream_refused_for_a_full_queue_is_a_429_before_the_200(loaded, task)
         first: list = []
         stream = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
         with model_thread_held(server):
-            holder = threading.Thread(target=lambda: first.append(call(server, "POST", "/v1/classify", {"task": TASK, "items": ["a", "b", "c"]})))
-            holder.start()
-            deadline = time.monotonic() + 10
-            while call(server, "GET", "/v1/stats")[2]["in_progress"] < 3:
-                assert time.monotonic() < deadline, "the first request never reached the queue"
-                time.sleep(0.01)
+            holder = queued_while_held(server, {"task": TASK, "items": ["a", "b", "c"]}, first)
             status, headers, body = call(server, "POST", "/v1/chat/completions", stream)
         holder.join()
         assert status == 429, body
