@@ -30,8 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from hostile_uploads import TICKET, add_server_options, pct
-from loadtest import HOST, Server, pass_figures
+from loadtest import HOST, TICKET, Server, add_server_options, pass_figures, pct
 
 FLOOD_ADDRESS, VICTIM_ADDRESS = "127.0.0.2", "127.0.0.3"
 

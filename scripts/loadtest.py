@@ -49,6 +49,7 @@ from importlib import resources
 from pathlib import Path
 
 HOST = "127.0.0.1"
+TICKET = "My card was charged twice for the same order last week and I would like one of the charges refunded."
 
 
 @dataclass
@@ -84,6 +85,19 @@ class Lane:
     def percentile(self, q: float) -> float:
         ordered = sorted(self.latencies)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 if ordered else float("nan")
+
+
+def add_server_options(p: argparse.ArgumentParser, dtype: str) -> None:
+    """The server's model, dtype and torch threads, as every script here takes them."""
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default=dtype)
+    p.add_argument("--threads", type=int, default=None, help="torch threads in the server (default: all cores)")
+
+
+def pct(samples: list[float], q: float) -> float:
+    """Nearest-rank percentile in milliseconds."""
+    ordered = sorted(samples)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] * 1000 if ordered else float("nan")
 
 
 def parse_args() -> argparse.Namespace:

@@ -30,7 +30,6 @@ import argparse
 import collections
 import http.client
 import json
-import math
 import multiprocessing
 import os
 import secrets
@@ -42,9 +41,8 @@ from pathlib import Path
 
 # The load test's server launcher (a `prefixcache serve` subprocess on a free loopback port).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from loadtest import HOST, Server  # noqa: E402
+from loadtest import HOST, TICKET, Server, add_server_options, pct  # noqa: E402
 
-TICKET = "My card was charged twice for the same order last week and I would like one of the charges refunded."
 HEAD = 'name: {name}\nkind: classify\ninstruction: "Classify the ticket."\n'
 LABELS = 'labels:\n  billing: "Money."\n  technical: "Bugs."\n'
 
@@ -156,12 +154,6 @@ def classify_loop(port: int, key: str, stop: threading.Event, count: int, sample
         conn = timed_call(conn, "POST", "/v1/classify", "classify", samples, failures, body=body, headers=headers)
 
 
-def pct(samples: list[float], q: float) -> float:
-    """Nearest-rank percentile in milliseconds."""
-    ordered = sorted(samples)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] * 1000 if ordered else float("nan")
-
-
 def measure(server: Server, args, client_key: str, admin_key: str, bodies: dict) -> dict:
     """Idle figures, then the same during the attack; every latency list and the upload status codes."""
     stop, failures = threading.Event(), []
@@ -218,13 +210,6 @@ def report(m: dict, args) -> int:
                 (f"classify or `/healthz` failures: {len(m['failures'])} {sorted(set(m['failures']))}", not m["failures"])]
     print("\n" + "\n".join(f"* {'PASS' if ok else 'FAIL'}: {text}" for text, ok in verdicts))
     return 0 if all(ok for _, ok in verdicts) else 1
-
-
-def add_server_options(p: argparse.ArgumentParser, dtype: str) -> None:
-    """The server's model, dtype and torch threads, as every script here takes them."""
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default=dtype)
-    p.add_argument("--threads", type=int, default=None, help="torch threads in the server (default: all cores)")
 
 
 def main() -> int:

@@ -89,23 +89,31 @@ def test_a_short_request_joins_an_extraction_at_the_next_step_and_the_extraction
     assert extraction.results == alone, "sharing steps with another request changed the extraction"
 
 
-def test_a_request_dropped_mid_generation_leaves_at_the_next_step_and_frees_its_slots(loaded, extract_task):
+def test_a_request_dropped_mid_generation_leaves_at_the_next_step_and_frees_its_slots_then_its_room(loaded, extract_task):
     async def scenario(thread):
         runner = await thread.call(lambda: ExtractRunner(loaded, extract_task, SETTINGS))
         pause = StepPause(thread.engine, at=3)
-        extraction = asyncio.ensure_future(thread.submit(runner, prepared(runner, loaded, 3)))
+
+        async def request():
+            with thread.admit(3, "dropper") as hold:
+                return await thread.submit(runner, prepared(runner, loaded, 3), "dropper", hold)
+
+        extraction = asyncio.ensure_future(request())
         await until(pause.reached.is_set, "the extraction's third step")
         extraction.cancel()
         await asyncio.gather(extraction, return_exceptions=True)
+        held_while_running = thread.in_progress
         pause.go.set()
         await until(lambda: not thread.engine.has_work, "the dropped sequences left")
+        await until(lambda: thread.in_progress == 0, "the dropped request's room given back")
         steps = pause.steps
         store = thread.engine.store
         after = await thread.submit(FakeRunner(), [item("next")])
-        return steps, store.free, store.slots, after, extraction
+        return steps, store.free, store.slots, after, extraction, held_while_running
 
-    steps, free, slots, after, extraction = with_real_engine(loaded, scenario)
+    steps, free, slots, after, extraction, held = with_real_engine(loaded, scenario)
     assert extraction.cancelled()
+    assert held == 3, "a dropped request's room was given back before its sequences left the loop"
     assert steps == 3, f"the dropped request took {steps - 3} more steps after it was cancelled"
     assert free == slots, f"{slots - free} slots were not given back"
     assert after.results == ["next"], "the loop goes on after a dropped request"

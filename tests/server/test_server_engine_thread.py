@@ -253,19 +253,27 @@ def test_a_cancelled_request_leaves_before_it_runs_and_frees_its_room():
     blocker = FakeRunner("blocker", gate=gate, started=started)
     dropped = FakeRunner("dropped", gate=gate)
 
+    async def doomed_request(thread):
+        with thread.admit(2, "doomed") as hold:
+            return await thread.submit(dropped, [item(1), item(2)], "doomed", hold)
+
     async def scenario(thread):
         hold = asyncio.ensure_future(thread.submit(blocker, [item(0)]))
         await until(started.is_set, "the blocking step started")
-        doomed = asyncio.ensure_future(thread.submit(dropped, [item(1), item(2)]))
+        doomed = asyncio.ensure_future(doomed_request(thread))
         await until(lambda: thread.depth == 2, "queued")
         doomed.cancel()
         await asyncio.gather(doomed, return_exceptions=True)
+        kept = thread.in_progress  # its items are still in the inbox: the room is kept until the thread drops them
         gate.set()
         await hold
         await until(lambda: thread.depth == 0, "the cancelled items left")
-        return await thread.submit(dropped, [item(3)])
+        await until(lambda: thread.in_progress == 0, "the cancelled request's room given back")
+        return kept, await thread.submit(dropped, [item(3)])
 
-    assert run_with(ServerSettings(), scenario).results == [3]
+    kept, after = run_with(ServerSettings(), scenario)
+    assert kept == 2, "a cancelled request's room was given back before the model thread dropped its items"
+    assert after.results == [3]
     assert dropped.calls == [[3]], f"a cancelled request's items ran: {dropped.calls}"
 
 

@@ -83,7 +83,8 @@ def test_a_schema_with_no_finite_answer_is_a_400_before_decoding(loaded, task, s
 
 def test_streams_dropped_while_queued_are_never_run(loaded, task):
     """While the model thread is held, five streams are opened, read to their first event and dropped: their
-    sequences leave the engine loop before they are ever fed (only the request sent after them runs)."""
+    sequences leave the engine loop before they are ever fed (only the request sent after them runs), and their
+    room is given back once the model thread has dropped them."""
     import socket
     from urllib.parse import urlparse
 
@@ -104,10 +105,10 @@ def test_streams_dropped_while_queued_are_never_run(loaded, task):
                         chunk = sock.recv(4096)
                         assert chunk, f"the stream ended before its first event: {received!r}"
                         received += chunk
-            deadline = time.monotonic() + 30
-            while call(server, "GET", "/v1/stats")[2]["in_progress"] > 0:  # every dropped stream's response has ended
-                assert time.monotonic() < deadline, "the dropped streams never gave their room back"
-                time.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while call(server, "GET", "/v1/stats")[2]["in_progress"] > 0:  # each one's room: kept until the thread drops it
+            assert time.monotonic() < deadline, "the dropped streams never gave their room back"
+            time.sleep(0.05)
         status, _, answer = call(server, "POST", "/v1/chat/completions", ask)
         samples = metric_samples(server)
     assert status == 200, answer

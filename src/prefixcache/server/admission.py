@@ -1,4 +1,5 @@
-"""Admission: room for a request's items, held from before tokenization until its answer.
+"""Admission: room for a request's items, held from before tokenization until its answer (or, for a request
+whose client went away, until its sequences have left the engine loop).
 
 At most ``max_queue`` items (all clients) may be admitted and not yet answered, and at most
 ``settings.client_share`` of them for one named client (``client``: whatever the caller names it by; the HTTP
@@ -14,11 +15,31 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Hashable, Iterator
+from typing import Callable, Hashable, Iterator
 
 from ..errors import QueueFullError
 from .prometheus import Metrics
 from .settings import ServerSettings
+
+
+class Hold:
+    """The room one admitted request holds: ``count`` items of ``client``, given back once."""
+
+    def __init__(self, admission: "Admission", count: int, client: Hashable | None):
+        self._admission, self._count, self._client = admission, count, client
+        self.released = False
+        self.deferred = False
+
+    def release(self) -> None:
+        """Give the room back (again: nothing)."""
+        if not self.released:
+            self.released = True
+            self._admission._hold(self._client, -self._count)
+
+    def defer(self) -> Callable[[], None]:
+        """Keep the room past the end of ``admit``'s block; the caller gives it back with what this returns."""
+        self.deferred = True
+        return self.release
 
 
 class Admission:
@@ -36,8 +57,11 @@ class Admission:
         return self._admitted
 
     @contextmanager
-    def admit(self, count: int, client: Hashable | None = None) -> Iterator[None]:
+    def admit(self, count: int, client: Hashable | None = None) -> Iterator[Hold]:
         """Hold room for ``count`` items of ``client`` while the request is prepared, queued and run.
+
+        The block gets the :class:`Hold`; the room is given back when the block ends, unless the hold was
+        deferred in it (a cancelled request whose sequences still run), and then by whoever deferred it.
 
         The room is under ``max_queue`` (all clients) and, for a named ``client``, under
         ``client_share`` (that client's items in progress); ``client=None`` is bound by ``max_queue`` only.
@@ -46,10 +70,12 @@ class Admission:
             QueueFullError: the room is not there; nothing was reserved.
         """
         self._reserve(count, client)
+        hold = Hold(self, count, client)
         try:
-            yield
+            yield hold
         finally:
-            self._hold(client, -count)
+            if not hold.deferred:
+                hold.release()
 
     def _reserve(self, count: int, client: Hashable | None) -> None:
         """:meth:`admit`'s check and hold (undecorated, so that it is in reach of mutation testing)."""

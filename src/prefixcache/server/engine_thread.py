@@ -20,7 +20,9 @@ loop's own rule: waiting sequences are picked round-robin by client, within ``ma
 ``max_batch`` per step.
 
 A request whose awaiting coroutine is cancelled (its client went away) has its sequences cancelled: they leave
-at the next step and free their slots; a sequence not yet made is never made.
+at the next step and free their slots; a sequence not yet made is never made. Its admission (the ``hold`` given
+to ``submit``) is kept until the last of them has left, so that dropped requests cannot crowd the loop beyond
+``max_queue``.
 
 Invariant 2 under concurrency: rows never see each other's keys and values (the loop's slots are per
 sequence, the prefix is read-only), and only the model thread runs the model.
@@ -42,7 +44,7 @@ from typing import Callable, Hashable, Iterator, Sequence as Seq
 from ..errors import ShuttingDownError
 from ..scheduler.engine_loop import EngineLoop
 from ..scheduler.sequence import Sequence, Status
-from .admission import Admission
+from .admission import Admission, Hold
 from .prometheus import Metrics
 from .runners import TaskRunner
 from .settings import ServerSettings
@@ -72,16 +74,34 @@ class _Job:
     reused: int = 0
     seqs: list[Sequence] = field(default_factory=list)
     cancelled: bool = False
+    alive: int = field(init=False)  # items whose sequence has not left the loop (or was never made)
+    on_left: Callable[[], None] | None = None  # run on the event loop once ``alive`` is 0 (a deferred hold)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self):
         self.results = [None] * len(self.items)
-        self.remaining = len(self.items)
+        self.remaining = self.alive = len(self.items)
 
-    def cancel(self) -> None:
-        """Called from the event loop: its sequences leave at the next step (a flag each one's loop reads)."""
-        self.cancelled = True
+    def cancel(self, on_left: Callable[[], None] | None = None) -> None:
+        """Its sequences leave at the next step (a flag each one's loop reads); ``on_left``, when given (on the
+        event loop's thread), runs there once the last of them has left, or at once if none is left."""
+        with self.lock:
+            self.cancelled = True
+            now = on_left is not None and self.alive == 0
+            if on_left is not None and not now:
+                self.on_left = on_left
         for seq in list(self.seqs):
             seq.cancel()
+        if now:
+            on_left()
+
+    def left(self, count: int, aio: asyncio.AbstractEventLoop) -> None:
+        """On the model thread: ``count`` of its items' sequences left the loop (or will never be made)."""
+        with self.lock:
+            self.alive -= count
+            fire = self.on_left if self.alive == 0 else None
+        if fire is not None:
+            aio.call_soon_threadsafe(fire)
 
 
 @dataclass(frozen=True)
@@ -114,6 +134,7 @@ class EngineThread:
         self._done: list[Sequence] = []  # sequences that ended in the step being taken (model thread only)
         self._taken: set[int] = set()  # id(seq) of sequences fed at least once (they left the queue depth)
         self._live: set[_Job] = set()  # requests submitted and not yet answered (for stop)
+        self._leaving: set[_Job] = set()  # cancelled requests whose sequences still run (their holds, for stop)
         self._depth = 0  # items submitted and not yet fed (both threads change it, under the lock)
         self._depth_lock = threading.Lock()
         self.crashed: BaseException | None = None
@@ -156,6 +177,8 @@ class EngineThread:
         for job in list(self._live):
             _resolve(job.future, error=error)
         self._live.clear()
+        for job in list(self._leaving):  # the loop is gone, and with it their sequences
+            job.on_left()
         while True:  # calls never taken
             try:
                 entry = self._inbox.get_nowait()
@@ -175,11 +198,13 @@ class EngineThread:
 
     # --- what requests call ------------------------------------------------------------------------
 
-    async def submit(self, runner: TaskRunner, items: Seq, client: Hashable | None = None) -> Answers:
+    async def submit(self, runner: TaskRunner, items: Seq, client: Hashable | None = None,
+                     hold: Hold | None = None) -> Answers:
         """Run ``items`` through ``runner``'s sequences and wait for their results (one per item, in order).
 
         Call it inside ``admit(len(items), client)``: the queue bounds are enforced there. ``client`` names the
-        turn the items' sequences wait in. Cancelling the awaiting coroutine cancels the sequences.
+        turn the items' sequences wait in. Cancelling the awaiting coroutine cancels the sequences; ``hold``
+        (what ``admit`` gave) is then kept until they have left the loop.
 
         Raises:
             ShuttingDownError: the thread is not running, or stopped before the items were answered.
@@ -190,16 +215,21 @@ class EngineThread:
         if not self.running:
             raise ShuttingDownError("the server is not running")
         job = _Job(runner, items, client, asyncio.get_running_loop().create_future(), time.perf_counter())
+        release = hold.defer() if hold is not None else None  # given back here, or once a cancelled job has left
         self._live.add(job)
         self._queued(len(items))
         self._inbox.put(job)
+        cancelled = False
         try:
             return await job.future
         except asyncio.CancelledError:
-            job.cancel()
+            cancelled = True
+            job.cancel(self._leave_later(job, release) if release is not None else None)
             raise
         finally:
             self._live.discard(job)
+            if release is not None and not cancelled:
+                release()
 
     async def call(self, fn: Callable[[], object]):
         """Run ``fn()`` on the model thread between two steps and return what it returns (or raise what it raised)."""
@@ -215,6 +245,15 @@ class EngineThread:
         future.add_done_callback(lambda f: f.exception() and log.error("model-thread call failed",
                                                                       exc_info=f.exception()))
         self._inbox.put(_Call(fn, future))
+
+    def _leave_later(self, job: _Job, release: Callable[[], None]) -> Callable[[], None]:
+        """What gives a cancelled ``job``'s room back once its sequences have left (or the thread stopped)."""
+        self._leaving.add(job)
+
+        def left() -> None:
+            self._leaving.discard(job)
+            release()
+        return left
 
     # --- the model thread --------------------------------------------------------------------------
 
@@ -254,12 +293,14 @@ class EngineThread:
         """A request's sequences into the engine loop (or its error back, when they cannot be made)."""
         if job.cancelled:
             self._queued(-len(job.items))
+            job.left(len(job.items), self._aio)
             return
         try:
             made = job.runner.sequences(job.items)
         except Exception as exc:
             log.error("sequences for %r could not be made", job.runner.task.name, exc_info=exc)
             self._queued(-len(job.items))
+            job.left(len(job.items), self._aio)
             self._aio.call_soon_threadsafe(_resolve, job.future, None, exc)
             return
         job.reused = made.prefix_tokens_reused
@@ -277,6 +318,7 @@ class EngineThread:
             self._done.append(seq)
             if id(seq) not in self._taken:  # it left before it was ever fed (cancelled, or failed at admission)
                 self._queued(-1)
+            job.left(1, self._aio)
             if seq.status is Status.CANCELLED or job.future.done():
                 return
             try:

@@ -27,6 +27,7 @@ from .openai_plan import Plan, chat_response, completion_response, plan, respons
 from .openai_schemas import (
     ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList, OpenAIError, parse_request,
 )
+from .admission import Hold
 from .middleware import CLIENT
 from .openai_errors import OPENAI_PATHS, openai_error  # noqa: F401  (OPENAI_PATHS: app.py reads it here)
 from .service import Service
@@ -72,13 +73,14 @@ async def _serve(service: Service, model_name: str, kind, body: bytes, client: s
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         admission = service.engine.admit(1, client=client)
-        admission.__enter__()  # QueueFullError here is a 429 with Retry-After, before the stream's 200
+        hold = admission.__enter__()  # QueueFullError here is a 429 with Retry-After, before the stream's 200
         return _AdmittedStream(
-            lambda: admission.__exit__(None, None, None), _stream(service, planned, model_name, chat, include_usage, client),
+            lambda: admission.__exit__(None, None, None),
+            _stream(service, planned, model_name, chat, include_usage, client, hold),
             media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )
-    with service.engine.admit(1, client=client):
-        result = (await service.engine.submit(planned.runner, [planned.item], client=client)).results[0]
+    with service.engine.admit(1, client=client) as hold:
+        result = (await service.engine.submit(planned.runner, [planned.item], client, hold)).results[0]
     build = chat_response if chat else completion_response
     if result.get("logprobs"):
         return await service.on_prep_thread(lambda tokenizer: build(result, model_name, tokenizer))
@@ -86,7 +88,7 @@ async def _serve(service: Service, model_name: str, kind, body: bytes, client: s
 
 
 async def _stream(service: Service, planned: Plan, model_name: str, chat: bool, include_usage: bool,
-                  client: str | None) -> AsyncIterator[str]:
+                  client: str | None, hold: Hold) -> AsyncIterator[str]:
     """Server-sent events: a first chunk (the assistant's role), text pieces as tokens arrive, the finish
     reason, the usage when asked, and ``[DONE]``. An error after the first byte becomes an error event; a full
     queue never does (the caller admits the request before the 200)."""
@@ -99,7 +101,7 @@ async def _stream(service: Service, planned: Plan, model_name: str, chat: bool, 
     try:  # admitted by the caller (_AdmittedStream gives the room back when the response ends)
         if chat:
             yield chunk.event(role="assistant", content="")
-        job = asyncio.ensure_future(service.engine.submit(planned.runner, [planned.item], client=client))
+        job = asyncio.ensure_future(service.engine.submit(planned.runner, [planned.item], client, hold))
         while not job.done() or not tokens.empty():
             getter = asyncio.ensure_future(tokens.get())
             await asyncio.wait({getter, job}, return_when=asyncio.FIRST_COMPLETED)

@@ -249,9 +249,9 @@ class Service:
                 f"{len(records)} items in one request, more than max_items={self.settings.max_items}; split the request"
             )
         loop = asyncio.get_running_loop()
-        with self.engine.admit(len(records), client):
+        with self.engine.admit(len(records), client) as hold:
             prepared = await loop.run_in_executor(self._prep_threads, self._prepare, runner, records)
-            answers = await self.engine.submit(runner, prepared, client)
+            answers = await self.engine.submit(runner, prepared, client, hold)
         self.metrics.record_answers(name, answers.results)
         usage = Usage(answers.prefix_tokens_reused, sum(len(item.rows) for item in prepared))
         return answers.results, usage
