@@ -99,7 +99,38 @@ class SharedKV:
     prefix: torch.Tensor  # [1, kv_heads, P, head_dim], read-only
     own: torch.Tensor  # [B, kv_heads, S, head_dim]
     packing: Packing | None = None
-    own_mask: torch.Tensor | None = None  # [B, 1, T, S] bool, only beside packing
+    own_parts: tuple[OwnPart, ...] | None = None  # a slot step's rows, attended part by part (see OwnPart)
+
+
+class OwnPart:
+    """Some rows of a step over a slot store whose own attention is done together (one kernel call per layer).
+
+    A step packs rows that feed one token (decoding) beside rows that feed many (a prompt, or a chunk of one).
+    Unpacked together, every row would be padded to the longest, so a step with one prompt among many
+    decoding rows would attend ``rows x prompt length`` queries. A step's rows are therefore split into parts
+    of like length, each unpacked to its own width. Every query of a part sees at least one own key (pads see
+    the row's first token), so no log-sum-exp needs fixing.
+
+    Attributes: ``tokens`` ``[n]``: the part's queries in the step's packed order (None: all of them, in that
+    order); ``rows`` ``[Rp]``: the rows of ``SharedKV.own`` the part reads (None: all); ``packing``: the part's
+    queries as rows of ``own``; ``mask`` ``[Rp, 1, T, S]`` bool: which own keys each unpacked query sees.
+    """
+
+    def __init__(self, tokens: torch.Tensor | None, rows: torch.Tensor | None, packing: Packing, mask: torch.Tensor):
+        self.tokens, self.rows, self.packing, self.mask = tokens, rows, packing, mask
+        self._bias: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def grouped_mask(self, groups: int) -> torch.Tensor:
+        """``[Rp, 1, groups * T, S]`` bool: the mask for queries with the heads of a kv group folded."""
+        return self.mask.repeat(1, 1, groups, 1)
+
+    def bias(self, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`grouped_mask` as an additive mask in ``dtype`` (0 or -inf), made once per step, not per layer."""
+        key = (groups, dtype)
+        if key not in self._bias:
+            mask = self.grouped_mask(groups)
+            self._bias[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return self._bias[key]
 
 
 def use_shared_prefix_attention(model: torch.nn.Module) -> None:
@@ -154,8 +185,8 @@ def shared_prefix_attention(
     scale = head_dim**-0.5 if scaling is None else scaling
 
     kv_heads = key.own.shape[1]
-    if key.own_mask is not None:
-        out, lse = _own_slots(query, key.own, value.own, key.packing, key.own_mask, scale)  # [1, H, N, d], [1, H, N]
+    if key.own_parts is not None:
+        out, lse = _own_parts(query, key.own, value.own, key.own_parts, scale)  # [1, H, N, d], [1, H, N]
     elif key.packing is not None:
         out, lse = _own_packed(query, key.own, value.own, key.packing, scale)  # [1, H, N, d], [1, H, N]
     else:
@@ -197,11 +228,36 @@ def _own_packed(query, keys, values, packing: Packing, scale) -> tuple[torch.Ten
     return packing.pack(out), packing.pack(lse[..., None])[..., 0]
 
 
-def _own_slots(query, keys, values, packing: Packing, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed queries ``[1, H, N, d]`` against each row's own keys ``[B, kv, S, d]`` (held in slots) under ``mask``
-    ``[B, 1, T, S]``: unpacked to right-padded rows, attended, packed back. Returns ``([1, H, N, d], lse [1, H, N])``."""
-    out, lse = _own_grouped(packing.unpack(query), keys, values, mask, scale)
-    return packing.pack(out), packing.pack(lse[..., None])[..., 0]
+def _own_parts(query, keys, values, parts: Sequence[OwnPart], scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed queries ``[1, H, N, d]`` against each row's own keys ``[R, kv, S, d]`` (held in slots), part by part:
+    each part's queries unpacked to its own width, attended under its mask, packed back into place.
+    Returns ``([1, H, N, d], lse [1, H, N])``."""
+    if len(parts) == 1 and parts[0].tokens is None and parts[0].rows is None:
+        return _own_part(query, keys, values, parts[0], scale)
+    out = torch.empty_like(query)  # [1, H, N, d]
+    lse = torch.empty(query.shape[:3], dtype=torch.float32, device=query.device)  # [1, H, N]
+    for part in parts:
+        k, v = (keys, values) if part.rows is None else (keys.index_select(0, part.rows), values.index_select(0, part.rows))
+        part_out, part_lse = _own_part(query.index_select(2, part.tokens), k, v, part, scale)
+        out.index_copy_(2, part.tokens, part_out)
+        lse.index_copy_(2, part.tokens, part_lse.float())
+    return out, lse
+
+
+def _own_part(query, keys, values, part: OwnPart, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """One part's packed queries ``[1, H, n, d]`` against its rows' own keys ``[Rp, kv, S, d]``, the heads of a kv
+    group folded into one query sequence. Returns ``([1, H, n, d], lse [1, H, n])``."""
+    rows = part.packing.unpack(query)  # [Rp, H, T, d]
+    batch, heads, width, head_dim = rows.shape
+    groups = heads // keys.shape[1]
+    grouped = rows.reshape(batch, keys.shape[1], groups * width, head_dim)  # [Rp, kv, g*T, d]
+    if _has_cpu_flash(grouped):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            grouped, keys, values, 0.0, False, attn_mask=part.bias(groups, grouped.dtype), scale=scale)
+    else:
+        out, lse = _attend_eager(grouped, keys, values, part.grouped_mask(groups), scale)
+    out, lse = out.view(rows.shape), lse.reshape(batch, heads, width)
+    return part.packing.pack(out), part.packing.pack(lse[..., None])[..., 0]
 
 
 def _own_mask(mask: torch.Tensor | None, prefix_len: int, width: int, own_len: int, device) -> torch.Tensor | None:

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import sys
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from ..attention.shared_prefix import Packing, SharedKV
+from ..attention.shared_prefix import OwnPart, Packing, SharedKV
 from .kv import KVShape, PrefixKV
 
 
@@ -111,7 +112,9 @@ class SlotLayout:
 
     * ``ids`` ``[1, N]``, ``positions`` ``[1, N]`` (prefix length + own index);
     * ``dest_slot``/``dest_pos`` ``[N]``: where each token's keys/values are written;
-    * ``packing``: the packed tokens placed at their row of ``rows``; ``mask`` ``[R, 1, T, S]``;
+    * ``packing``: the packed tokens placed at their row of ``rows``; ``parts``: the rows split into decoding
+      rows (one token each) and prompt rows, each part's own attention unpacked to its own width
+      (:class:`~prefixcache.attention.shared_prefix.OwnPart`);
     * ``last`` ``[B]``: each feed's last token in the packed order, in the feeds' given order.
     """
 
@@ -137,7 +140,7 @@ class SlotLayout:
         self.positions = (prefix_length + own)[None]  # [1, N]
         self.dest_slot = torch.tensor([feeds[i].slot for i in order for _ in feeds[i].ids], device=device)  # [N]
         self.dest_pos = own
-        self.mask = _own_mask(lengths, ends, self.packing.width, self.width, device)  # [R, 1, T, S]
+        self.parts = _own_parts(lengths, ends, self.packing, self.width, device)
         packed_last = torch.tensor(lengths, device=device).cumsum(0) - 1  # [R]: last packed token of each placed row
         last_of = {i: int(packed_last[place[feeds[i].slot]]) for i in order}
         self.last = torch.tensor([last_of[i] for i in range(len(feeds))], device=device)  # [B]
@@ -147,6 +150,24 @@ class SlotLayout:
         if self.contiguous:
             return tensor[self.rows[0] : self.rows[1], :, : self.width]
         return tensor.index_select(0, self.rows)[:, :, : self.width]
+
+
+def _own_parts(lengths: list[int], ends: list[int], packing: Packing, span: int, device) -> tuple[OwnPart, ...]:
+    """The step's placed rows as parts of like length: one part when every row feeds one token (or every row
+    feeds several); else rows feeding one token (all rows read, the others padded out, so no keys are gathered)
+    and rows feeding several (their keys gathered)."""
+    many = [r for r, n in enumerate(lengths) if n > 1]
+    if not many or len(many) == sum(1 for n in lengths if n):
+        return (OwnPart(None, None, packing, _own_mask(lengths, ends, packing.width, span, device)),)
+    starts = [0] + list(itertools.accumulate(lengths))[:-1]  # each placed row's first token in the packed order
+    one = [1 if n == 1 else 0 for n in lengths]
+    decoding = OwnPart(torch.tensor([starts[r] for r, n in enumerate(lengths) if n == 1], device=device), None,
+                       Packing.of(one, device, allow_empty=True), _own_mask(one, ends, 1, span, device))
+    long = [lengths[r] for r in many]
+    prompts = OwnPart(torch.tensor([starts[r] + k for r in many for k in range(lengths[r])], device=device),
+                      torch.tensor(many, device=device), Packing.of(long, device),
+                      _own_mask(long, [ends[r] for r in many], max(long), span, device))
+    return decoding, prompts
 
 
 def _own_mask(lengths: list[int], ends: list[int], width: int, span: int, device) -> torch.Tensor:
@@ -176,8 +197,8 @@ class _SlotLayer:
         keys[layout.dest_slot, :, layout.dest_pos] = key_states[0].transpose(0, 1)  # [N, kv, d] into their places
         values[layout.dest_slot, :, layout.dest_pos] = value_states[0].transpose(0, 1)
         own_k, own_v = layout.own(keys), layout.own(values)  # [R, kv, S, d]
-        return (SharedKV(self.prefix_keys, own_k, layout.packing, layout.mask),
-                SharedKV(self.prefix_values, own_v, layout.packing, layout.mask))
+        return (SharedKV(self.prefix_keys, own_k, layout.packing, layout.parts),
+                SharedKV(self.prefix_values, own_v, layout.packing, layout.parts))
 
     def get_seq_length(self) -> int:
         return self.prefix_keys.shape[-2]

@@ -89,6 +89,37 @@ class TokenPicker:
         return ids, _logprobs(logits, ids, self.sampling.top_logprobs)
 
 
+def pick_each(logits: torch.Tensor, pickers: Sequence[TokenPicker]) -> list[tuple[int, TokenLogprob | None]]:
+    """Row ``i``'s next token by ``pickers[i]`` (each a one-row picker), from ``logits`` ``[b, V]``.
+
+    What a row gets is what its picker alone gives it. Greedy rows are picked together: one argmax, and one
+    log-softmax per number of top log-probs recorded; a sampling row draws alone, from its own generator.
+    Returns ``(token id, its log-prob or None)`` per row, in order.
+    """
+    out: list[tuple[int, TokenLogprob | None]] = [(0, None)] * len(pickers)
+    greedy = [i for i, picker in enumerate(pickers) if picker.sampling.greedy]
+    if greedy:
+        rows = logits if len(greedy) == len(pickers) else logits.index_select(0, torch.tensor(greedy, device=logits.device))
+        ids = rows.argmax(dim=-1)  # [g]
+        tokens = ids.tolist()
+        by_k: dict[int | None, list[int]] = {}
+        for j, i in enumerate(greedy):
+            by_k.setdefault(pickers[i].sampling.top_logprobs, []).append(j)
+        for k, members in by_k.items():
+            if k is None:
+                picked = [None] * len(members)
+            else:
+                index = torch.tensor(members, device=logits.device)
+                picked = _logprobs(rows.index_select(0, index), ids.index_select(0, index), k)
+            for j, logprob in zip(members, picked):
+                out[greedy[j]] = (tokens[j], logprob)
+    for i, picker in enumerate(pickers):
+        if not picker.sampling.greedy:
+            ids, logprobs = picker.pick(logits[i : i + 1], [0])
+            out[i] = (int(ids[0]), logprobs[0] if logprobs else None)
+    return out
+
+
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """``probs [b, V]`` with everything outside each row's top-``top_p`` mass set to 0 (the most likely token is kept)."""
     if top_p >= 1:

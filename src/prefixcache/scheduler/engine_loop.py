@@ -34,7 +34,7 @@ import torch
 from ..cache.kv import KVShape, PrefixKV
 from ..cache.slots import Feed, SlotStore
 from ..engine.generate import RowOutput
-from ..engine.sampling import TokenPicker
+from ..engine.sampling import TokenPicker, pick_each
 from ..engine.slot_pass import forward_slots
 from ..errors import ConstraintError, SequenceTooLongError
 from .sequence import Generate, Sequence, Status, scorer_group
@@ -277,10 +277,8 @@ class EngineLoop:
         for seq in sampling:
             if not seq.generated:  # the step that fed its last prompt token: what a fitted head reads
                 seq.prompt_state = outputs[id(seq)]
-        for seq, row in zip(sampling, logits):
-            if self._next_token(seq, row):
-                finished.append(seq)
-        return finished
+        with torch.inference_mode():  # the logits are an inference tensor: masks write them in place
+            return finished + self._next_tokens(sampling, logits)
 
     def _logits(self, hidden: list[torch.Tensor]) -> torch.Tensor:
         """The rows' next-token logits ``[b, V]`` through the model's output head, in one product."""
@@ -289,26 +287,44 @@ class EngineLoop:
         with torch.inference_mode():
             return self.model.get_output_embeddings()(torch.stack(hidden))
 
-    def _next_token(self, seq: Sequence, logits: torch.Tensor) -> bool:
-        """Pick ``seq``'s next token from ``logits`` ``[V]`` (masked by its constraint); True when it finished."""
+    def _next_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+        """Each of ``seqs`` picks its next token from its row of ``logits`` ``[b, V]``: masked by its own constraint
+        (in place), then picked (:func:`~prefixcache.engine.sampling.pick_each`: greedy rows together). Returns
+        those that finished (a row whose constraint fails fails alone)."""
+        finished, picking = [], []
+        for i, seq in enumerate(seqs):
+            want: Generate = seq.want
+            try:
+                if want.constraint is not None and seq.rules is None:  # a schema, or one bound to the row's own text
+                    seq.rules = want.constraint.start(self.tokenizer, 1, want.config.eos_ids, want.config.max_new_tokens)
+                if seq.rules is not None:
+                    seq.rules.mask_(logits[i : i + 1], [0])
+            except ConstraintError as exc:
+                self._finish(seq, Status.FAILED, error=str(exc))
+                finished.append(seq)
+                continue
+            picking.append(i)
+        if not picking:
+            return finished
+        rows = logits if len(picking) == len(seqs) else logits.index_select(0, torch.tensor(picking, device=logits.device))
+        for i, (token, logprob) in zip(picking, pick_each(rows, [seqs[i].picker for i in picking])):
+            if self._take_token(seqs[i], token, logprob):
+                finished.append(seqs[i])
+        return finished
+
+    def _take_token(self, seq: Sequence, token: int, logprob) -> bool:
+        """Append ``token`` to ``seq`` (its stop strings, constraint and budget checked); True when it finished."""
         want: Generate = seq.want
         try:
-            if want.constraint is not None and seq.rules is None:  # a schema, or one bound to the row's own text
-                seq.rules = want.constraint.start(self.tokenizer, 1, want.config.eos_ids, want.config.max_new_tokens)
-            row = logits[None].clone() if seq.rules is not None else logits[None]  # [1, V]
-            if seq.rules is not None:
-                seq.rules.mask_(row, [0])
-            token, logprobs = seq.picker.pick(row, [0])
             on_token = None if seq.on_token is None else (lambda _row, tok: seq.on_token(seq, tok))
-            done = seq.output.add(int(token[0]), logprobs[0] if logprobs else None, self.tokenizer, want.config,
-                                  on_token, 0, seq.rules)
+            done = seq.output.add(token, logprob, self.tokenizer, want.config, on_token, 0, seq.rules)
         except ConstraintError as exc:  # this row's grammar failed: it alone fails
             self._finish(seq, Status.FAILED, error=str(exc))
             return True
         self.stats.tokens_generated += 1
         if not seq.generated:
             seq.first_token_at = time.perf_counter()
-        seq.generated.append(int(token[0]))
+        seq.generated.append(token)
         if done:  # the generation carries the state at its last prompt token, as generate_rows' does
             self._finish(seq, Status.FINISHED, result=replace(seq.output.generation, state=seq.prompt_state))
         return done
