@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from prefixcache.cache.kv import KVShape, PrefixKV
-from prefixcache.cache.slots import Feed, SlotStore
+from prefixcache.cache.slots import Feed, SlotLayout, SlotStore
 from prefixcache.engine.constraint import json_constraint
 from prefixcache.engine.forward import score_rows
 from prefixcache.engine.generate import GenerationConfig, eos_ids_of, generate_rows
@@ -204,6 +204,23 @@ def test_slot_pass_reads_gathered_slots_exactly():
     assert torch.allclose(second[0], ref[0], atol=1e-5)
     with pytest.raises(ValueError):
         forward_slots(LOADED.model, PREFIXES[0], store, [Feed(1, 14, (1, 2, 3))])
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_a_step_of_decoding_rows_and_a_prompt_attends_them_as_two_parts_exactly(contiguous):
+    """Rows feeding one token and a row feeding a whole prompt share one pass; their own attention runs as two
+    parts (the decoding rows are not padded to the prompt's length), and every row computes what a padded pass
+    over its whole text computes."""
+    store = SlotStore(KVShape.of(LOADED.model.config), 12, 16, torch.float32, "cpu")
+    slots = [0, 1, 2, 3] if contiguous else [0, 4, 9, 11]
+    rows = [[30, 31, 32], [40, 41, 42, 43], [50, 51], [60, 61, 62, 63, 64, 65, 66]]
+    forward_slots(LOADED.model, PREFIXES[0], store, [Feed(slots[i], 0, tuple(rows[i][:-1])) for i in range(3)])
+    feeds = [Feed(slots[i], len(rows[i]) - 1, (rows[i][-1],)) for i in range(3)] + [Feed(slots[3], 0, tuple(rows[3]))]
+    layout = SlotLayout(store, PREFIXES[0].length, feeds)
+    assert [part.packing.width for part in layout.parts] == [1, 7], "decoding rows padded to the prompt's length"
+    got = forward_slots(LOADED.model, PREFIXES[0], store, feeds)
+    ref = run_padded(LOADED.model, PREFIXES[0], rows).last
+    assert torch.allclose(got, ref, atol=1e-5)
 
 
 def test_an_extraction_whose_constraint_fails_is_an_error_for_that_record_only(monkeypatch):
