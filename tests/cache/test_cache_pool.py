@@ -48,6 +48,22 @@ def held(pool, loaded, firsts) -> list[bool]:
     return [PrefixKey.of(loaded, ids(f)) in pool for f in firsts]
 
 
+def test_a_prefix_the_caller_computed_is_held_as_get_would_hold_it():
+    """``hold`` of a prefix computed elsewhere (in chunks, say): ``holds`` says so, a later ``get`` is a hit on
+    that very prefix, and holding it again changes nothing."""
+    loaded = tiny_loaded("llama")
+    pool = pool_for(loaded, 3)
+    prefix = PrefixKV.build(loaded.model, ids(1))
+    assert not pool.holds(loaded, ids(1))
+    pool.hold(loaded, prefix, name="chunked")
+    pool.hold(loaded, prefix, name="chunked")
+    assert pool.holds(loaded, ids(1)) and not pool.holds(loaded, ids(2))
+    lookup = pool.get(loaded, ids(1))
+    assert lookup.source == "memory" and lookup.prefix is prefix
+    stats = pool.stats()
+    assert (stats.hits, stats.misses, stats.entries, stats.prefill_tokens_computed) == (1, 1, 1, len(ids(1)))
+
+
 # --- policies -------------------------------------------------------------------------------
 
 

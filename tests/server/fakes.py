@@ -43,6 +43,9 @@ class FakeRunner:
         self.calls: list[list] = []
         self.prefix, self.empty = SimpleNamespace(length=4), SimpleNamespace(length=0)
 
+    def prefix_build(self, chunk_tokens: int) -> None:
+        return None
+
     def sequences(self, items) -> Submitted:
         seqs = [Sequence(self.empty if it.full else self.prefix, (1,), Scores(self), tag=it) for it in items]
         return Submitted(seqs, self.prefix.length * sum(1 for it in items if not it.full))

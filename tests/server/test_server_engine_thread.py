@@ -277,6 +277,45 @@ def test_a_cancelled_request_leaves_before_it_runs_and_frees_its_room():
     assert dropped.calls == [[3]], f"a cancelled request's items ran: {dropped.calls}"
 
 
+def test_a_prefix_built_in_chunks_lets_other_requests_step_in_between():
+    """A request whose runner has a prefix to build gets one chunk per turn of the model thread's loop: a request
+    submitted with it is scored between the chunks, not after them all; a request cancelled while its prefix is
+    being built never runs and gives its room back."""
+    log: list = []
+
+    class Chunked(FakeRunner):
+        def prefix_build(self, chunk_tokens: int):
+            def chunks():
+                for i in range(3):
+                    log.append(("chunk", i))
+                    yield
+            return chunks()
+
+    long, short, dropped = Chunked("long", log), FakeRunner("short", log), Chunked("dropped", [])
+
+    async def scenario(thread):
+        first = asyncio.ensure_future(thread.submit(long, [item("a")]))
+        second = asyncio.ensure_future(thread.submit(short, [item("b")]))
+        answers = await first, await second
+
+        async def doomed_request():
+            with thread.admit(1, "doomed") as hold:
+                return await thread.submit(dropped, [item("c")], "doomed", hold)
+
+        doomed = asyncio.ensure_future(doomed_request())
+        await asyncio.sleep(0)
+        doomed.cancel()
+        await asyncio.gather(doomed, return_exceptions=True)
+        await until(lambda: thread.in_progress == 0, "the cancelled request's room given back")
+        return answers
+
+    (a, b) = run_with(ServerSettings(max_step_tokens=16), scenario)
+    assert a.results == ["a"] and b.results == ["b"]
+    assert log.index(("short", ["b"])) < log.index(("chunk", 2)), f"the short request waited for the build: {log}"
+    assert log[-1] == ("long", ["a"]), "the long request ran before its prefix was built"
+    assert dropped.calls == [], "a request cancelled while its prefix was built ran"
+
+
 def test_a_client_over_its_share_is_told_to_retry_after_its_excess_is_likely_answered():
     """Retry-After for a client's refusal counts only that client's excess over its share, at the recent rate."""
     settings = ServerSettings(max_batch=8, max_items=4, max_queue=100, max_queue_per_client=4)

@@ -114,3 +114,35 @@ def test_streams_dropped_while_queued_are_never_run(loaded, task):
     assert status == 200, answer
     ran = metric(samples, "prefixcache_items_total", task="openai", kind="generate") - before  # the registry is the process's
     assert ran == 1, f"dropped streams ran: {ran - 1} of 5"
+
+
+def test_a_long_system_prompt_is_built_in_chunks_and_answers_as_built_whole(loaded, task, monkeypatch):
+    """A chat whose reusable part is longer than ``max_step_tokens`` has it computed a step's worth of tokens at a
+    time, between steps; its next-token log-probs are those a server that builds it in one pass gives (a random
+tiny model's near ties make a comparison of greedy text too brittle)."""
+    from prefixcache.server import openai_runners
+
+    chunks: list[int] = []
+    whole = openai_runners.build_in_chunks
+
+    def counted(model, ids, chunk_tokens):
+        for built in whole(model, ids, chunk_tokens):
+            chunks.append(built.length)
+            yield built
+
+    monkeypatch.setattr(openai_runners, "build_in_chunks", counted)
+    system = " ".join(f"rule {i}: answer briefly." for i in range(12))
+    ask = {"model": "tiny-llama", "max_tokens": 1, "logprobs": True, "top_logprobs": 5,
+           "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
+    answers = []
+    for step_tokens in (8, 4096):
+        with serving(loaded, [task], max_step_tokens=step_tokens) as server:
+            status, _, body = call(server, "POST", "/v1/chat/completions", ask)
+            assert status == 200, body
+            answers.append(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"])
+            if step_tokens == 8:
+                assert len(chunks) > 3 and all(b - a <= 8 for a, b in zip([0] + chunks, chunks)), chunks
+                built = len(chunks)
+    assert len(chunks) == built, "a prefix that fits one step was built in chunks"
+    chunked, whole = ({top["token"]: top["logprob"] for top in answer} for answer in answers)
+    assert chunked.keys() == whole.keys() and all(abs(chunked[t] - whole[t]) < 1e-4 for t in whole), answers

@@ -28,6 +28,7 @@ import functools
 import hashlib
 import sys
 from dataclasses import dataclass, field
+from typing import Iterator, Sequence
 
 import torch
 
@@ -172,6 +173,25 @@ class PrefixKV:
         keys = tuple(tensors[f"k.{i}"] for i in range(layers))
         values = tuple(tensors[f"v.{i}"] for i in range(layers))
         return cls(tuple(int(t) for t in tensors["token_ids"].tolist()), keys, values)
+
+
+def build_in_chunks(model: torch.nn.Module, token_ids: Sequence[int], chunk_tokens: int) -> Iterator[PrefixKV]:
+    """The prefix of ``token_ids`` computed ``chunk_tokens`` at a time: yields the prefix so far after each chunk
+    (the last one yielded is the whole), so that a caller can let other work run between chunks. Each chunk
+    attends to those before it as :meth:`PrefixKV.extend` does: the same keys/values as one
+    :meth:`PrefixKV.build`, up to float rounding.
+
+    Raises:
+        ValueError: ``token_ids`` is empty or ``chunk_tokens`` under 1.
+    """
+    ids = tuple(int(t) for t in token_ids)
+    if not ids or chunk_tokens < 1:
+        raise ValueError(f"build_in_chunks of {len(ids)} tokens in chunks of {chunk_tokens}")
+    built = PrefixKV.build(model, ids[:chunk_tokens])
+    yield built
+    for start in range(chunk_tokens, len(ids), chunk_tokens):
+        built = built.extend(model, ids[start : start + chunk_tokens])
+        yield built
 
 
 @dataclass(frozen=True)

@@ -34,12 +34,11 @@ This module knows nothing about tasks, labels or records: only models and token 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Literal, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -50,102 +49,9 @@ from .disk import DiskStore, Expected
 from .eviction import POLICIES, EvictionPolicy
 from .kv import KVShape, PrefixKV
 from .layouts import STORAGES, KVStorage, Packed
+from .pool_types import Lookup, LookupInfo, PoolStats, PrefixKey, Source  # noqa: F401  (LookupInfo: re-exported)
 
 log = logging.getLogger(__name__)
-
-Source = Literal["memory", "disk", "extended", "computed"]
-
-
-# ---------------------------------------------------------------------------
-# Keys, configuration, results
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PrefixKey:
-    """A prefix's identity: ``digest`` hashes model identity, dtype and token ids."""
-
-    digest: str
-    model: str
-    dtype: str
-    length: int
-
-    @classmethod
-    def of(cls, loaded: LoadedModel, token_ids: Sequence[int]) -> PrefixKey:
-        dtype = str(loaded.dtype).removeprefix("torch.")
-        digest = hashlib.sha256(f"{loaded.identity}\0{dtype}\0{','.join(map(str, token_ids))}".encode()).hexdigest()
-        return cls(digest[:40], loaded.identity, dtype, len(token_ids))
-
-
-@dataclass(frozen=True)
-class LookupInfo:
-    """What one :meth:`PrefixPool.get` did, without the prefix: holds no tensor, so it is safe to keep.
-
-    Attributes:
-        key: the prefix's identity.
-        source: how it was obtained (memory, disk, extended, computed).
-        tokens_computed: prefix tokens run through the model by this call.
-        tokens_reused: prefix tokens this call did not have to compute.
-        seconds: wall time of the call.
-    """
-
-    key: PrefixKey
-    source: Source
-    tokens_computed: int
-    tokens_reused: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Lookup(LookupInfo):
-    """What :meth:`PrefixPool.get` returns: :class:`LookupInfo` and the prefix itself.
-
-    ``prefix`` is the float prefix, read-only (fork it, never write it). With float storage it *is* the
-    pool's entry, so holding it past the pass keeps an evicted entry's memory alive: keep :meth:`info`.
-    """
-
-    prefix: PrefixKV = field(repr=False)
-
-    def info(self) -> LookupInfo:
-        """This lookup without its prefix."""
-        return LookupInfo(self.key, self.source, self.tokens_computed, self.tokens_reused, self.seconds)
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    """A snapshot of the pool's counters.
-
-    ``hits`` are lookups answered from memory; every other lookup is a ``miss``
-    (answered from disk, by extension, or by computing). ``prefill_tokens_saved``
-    is the prefix tokens not computed thanks to the pool (hits, disk loads,
-    reused leading parts).
-    """
-
-    hits: int
-    misses: int
-    evictions: int
-    entries: int
-    pinned: int
-    bytes_held: int
-    budget_bytes: int
-    float_bytes: int
-    prefill_tokens_saved: int
-    prefill_tokens_computed: int
-    disk_loads: int
-    disk_writes: int
-    disk_rejected: int
-    partial_reuses: int
-    storage: str
-    eviction: str
-
-    @property
-    def bytes_saved(self) -> int:
-        """Bytes the held entries would take more as float (0 for float storage)."""
-        return self.float_bytes - self.bytes_held
-
-    def to_json(self) -> dict:
-        return asdict(self) | {"bytes_saved": self.bytes_saved}
-
 
 @dataclass
 class _Entry:
@@ -243,14 +149,41 @@ class PrefixPool:
             need = self.size_of(loaded, len(ids))
             self._check_fits(need, pin, name or key.digest[:12])
             packed, source, computed = self._obtain(loaded, key, ids, name)
-            self._make_room(packed.nbytes)
-            float_bytes = STORAGES["float"]().estimate(KVShape.of(loaded.model.config), len(ids), _element_size(loaded))
-            self._entries[key.digest] = _Entry(key, packed, packed.nbytes, float_bytes, pin, name)
-            self._policy.insert(key.digest)
+            self._insert(loaded, key, packed, pin, name)
             self._count.computed += computed
             self._count.saved += len(ids) - computed
             prefix = self.storage.unpack(packed, loaded.dtype)
             return Lookup(key, source, computed, len(ids) - computed, time.perf_counter() - started, prefix)
+
+    def holds(self, loaded: LoadedModel, token_ids: Sequence[int]) -> bool:
+        """Whether the prefix of ``token_ids`` is held in memory (a :meth:`get` of it would be a hit)."""
+        ids = tuple(int(t) for t in token_ids)
+        with self._lock:
+            entry = self._entries.get(PrefixKey.of(loaded, ids).digest)
+            return entry is not None and entry.packed.token_ids == ids
+
+    def hold(self, loaded: LoadedModel, prefix: PrefixKV, name: str = "") -> None:
+        """Hold ``prefix``, which the caller computed whole (in chunks, say), as :meth:`get` would have held it;
+        a later ``get`` of its tokens is a hit. Nothing changes when it is already held.
+
+        Raises:
+            PoolBudgetError: as :meth:`get`.
+        """
+        key = PrefixKey.of(loaded, prefix.token_ids)
+        with self._lock:
+            if key.digest in self._entries:
+                return
+            self._count.misses += 1
+            self._check_fits(self.size_of(loaded, prefix.length), False, name or key.digest[:12])
+            self._insert(loaded, key, self.storage.pack(prefix), False, name)
+            self._count.computed += prefix.length
+
+    def _insert(self, loaded: LoadedModel, key: PrefixKey, packed: Packed, pin: bool, name: str) -> None:
+        """Make room for ``packed`` (evicting in the policy's order), then hold it. Call under the lock."""
+        self._make_room(packed.nbytes)
+        float_bytes = STORAGES["float"]().estimate(KVShape.of(loaded.model.config), key.length, _element_size(loaded))
+        self._entries[key.digest] = _Entry(key, packed, packed.nbytes, float_bytes, pin, name)
+        self._policy.insert(key.digest)
 
     def unpin(self, key: PrefixKey) -> None:
         """Make a held entry evictable again (no-op when it is not held)."""

@@ -14,6 +14,9 @@ Requests reach the model only through here, in three calls made on the event loo
 The model thread loops: take what the inbox holds (waiting for it when nothing runs); turn each new request's
 items into sequences (``runner.sequences``, which looks the prefix up in the pool, on this thread); add them to
 the engine loop under the request's client; take one :meth:`~prefixcache.scheduler.engine_loop.EngineLoop.step`.
+A request whose prefix is long and not yet held (``runner.prefix_build``: an OpenAI chat's long system prompt)
+first has it computed ``max_step_tokens`` at a time, one chunk per turn of the loop, so other requests' steps
+go on in between.
 A sequence added between two steps joins at the next one, so a one-item classification that arrives while an
 extraction decodes is scored in the next step, and rows that finish are refilled at once. Fairness is the
 loop's own rule: waiting sequences are picked round-robin by client, within ``max_step_tokens`` and
@@ -37,79 +40,20 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterator, Sequence as Seq
 
 from ..errors import ShuttingDownError
 from ..scheduler.engine_loop import EngineLoop
 from ..scheduler.sequence import Sequence, Status
 from .admission import Admission, Hold
+from .jobs import Answers, Call, Job, resolve
 from .prometheus import Metrics
 from .runners import TaskRunner
 from .settings import ServerSettings
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Answers:
-    """A request's results (one per item, in order) and the stored-prefix tokens its items did not recompute."""
-
-    results: list
-    prefix_tokens_reused: int
-
-
-@dataclass(eq=False)
-class _Job:
-    """One request on its way through the model thread."""
-
-    runner: TaskRunner
-    items: Seq
-    client: Hashable | None
-    future: asyncio.Future
-    enqueued_at: float  # perf_counter() when it was submitted
-    results: list = field(init=False)
-    remaining: int = field(init=False)
-    reused: int = 0
-    seqs: list[Sequence] = field(default_factory=list)
-    cancelled: bool = False
-    alive: int = field(init=False)  # items whose sequence has not left the loop (or was never made)
-    on_left: Callable[[], None] | None = None  # run on the event loop once ``alive`` is 0 (a deferred hold)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __post_init__(self):
-        self.results = [None] * len(self.items)
-        self.remaining = self.alive = len(self.items)
-
-    def cancel(self, on_left: Callable[[], None] | None = None) -> None:
-        """Its sequences leave at the next step (a flag each one's loop reads); ``on_left``, when given (on the
-        event loop's thread), runs there once the last of them has left, or at once if none is left."""
-        with self.lock:
-            self.cancelled = True
-            now = on_left is not None and self.alive == 0
-            if on_left is not None and not now:
-                self.on_left = on_left
-        for seq in list(self.seqs):
-            seq.cancel()
-        if now:
-            on_left()
-
-    def left(self, count: int, aio: asyncio.AbstractEventLoop) -> None:
-        """On the model thread: ``count`` of its items' sequences left the loop (or will never be made)."""
-        with self.lock:
-            self.alive -= count
-            fire = self.on_left if self.alive == 0 else None
-        if fire is not None:
-            aio.call_soon_threadsafe(fire)
-
-
-@dataclass(frozen=True)
-class _Call:
-    """Other work for the model thread: ``fn()``, its outcome into ``future``."""
-
-    fn: Callable[[], object]
-    future: Future
 
 
 _WAKE = object()  # an inbox entry that only wakes the thread (to see that it should stop)
@@ -130,11 +74,12 @@ class EngineThread:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._aio: asyncio.AbstractEventLoop | None = None
-        self._jobs: dict[int, _Job] = {}  # id(seq) -> its request (model thread only)
+        self._jobs: dict[int, Job] = {}  # id(seq) -> its request (model thread only)
         self._done: list[Sequence] = []  # sequences that ended in the step being taken (model thread only)
         self._taken: set[int] = set()  # id(seq) of sequences fed at least once (they left the queue depth)
-        self._live: set[_Job] = set()  # requests submitted and not yet answered (for stop)
-        self._leaving: set[_Job] = set()  # cancelled requests whose sequences still run (their holds, for stop)
+        self._live: set[Job] = set()  # requests submitted and not yet answered (for stop)
+        self._building: deque[tuple[Job, Iterator[None]]] = deque()  # requests whose prefix is built between steps
+        self._leaving: set[Job] = set()  # cancelled requests whose sequences still run (their holds, for stop)
         self._depth = 0  # items submitted and not yet fed (both threads change it, under the lock)
         self._depth_lock = threading.Lock()
         self.crashed: BaseException | None = None
@@ -175,7 +120,7 @@ class EngineThread:
         self._thread = None
         error = ShuttingDownError("the server is shutting down; retry elsewhere")
         for job in list(self._live):
-            _resolve(job.future, error=error)
+            resolve(job.future, error=error)
         self._live.clear()
         for job in list(self._leaving):  # the loop is gone, and with it their sequences
             job.on_left()
@@ -184,7 +129,7 @@ class EngineThread:
                 entry = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(entry, _Call):
+            if isinstance(entry, Call):
                 entry.future.set_exception(error)
         with self._depth_lock:
             self._depth = 0
@@ -214,7 +159,7 @@ class EngineThread:
             return Answers([], 0)
         if not self.running:
             raise ShuttingDownError("the server is not running")
-        job = _Job(runner, items, client, asyncio.get_running_loop().create_future(), time.perf_counter())
+        job = Job(runner, items, client, asyncio.get_running_loop().create_future(), time.perf_counter())
         release = hold.defer() if hold is not None else None  # given back here, or once a cancelled job has left
         self._live.add(job)
         self._queued(len(items))
@@ -236,7 +181,7 @@ class EngineThread:
         if not self.running:
             raise ShuttingDownError("the server is not running")
         future: Future = Future()
-        self._inbox.put(_Call(fn, future))
+        self._inbox.put(Call(fn, future))
         return await asyncio.wrap_future(future)
 
     def call_soon(self, fn: Callable[[], object]) -> None:
@@ -244,9 +189,9 @@ class EngineThread:
         future: Future = Future()
         future.add_done_callback(lambda f: f.exception() and log.error("model-thread call failed",
                                                                       exc_info=f.exception()))
-        self._inbox.put(_Call(fn, future))
+        self._inbox.put(Call(fn, future))
 
-    def _leave_later(self, job: _Job, release: Callable[[], None]) -> Callable[[], None]:
+    def _leave_later(self, job: Job, release: Callable[[], None]) -> Callable[[], None]:
         """What gives a cancelled ``job``'s room back once its sequences have left (or the thread stopped)."""
         self._leaving.add(job)
 
@@ -260,16 +205,18 @@ class EngineThread:
     def _serve(self) -> None:
         try:
             while not self._stopping:
-                self._take_inbox(wait=not self.engine.has_work)
+                self._take_inbox(wait=not (self.engine.has_work or self._building))
                 if self._stopping:
                     break
+                if self._building:
+                    self._build_chunk()
                 if self.engine.has_work:
                     self._step()
         except BaseException as exc:  # the thread dies: /healthz answers 503, and waiting requests are told
             self.crashed = exc
             log.critical("the model thread stopped", exc_info=exc)
             for job in list(self._live):
-                self._aio.call_soon_threadsafe(_resolve, job.future, None, exc)
+                self._aio.call_soon_threadsafe(resolve, job.future, None, exc)
 
     def _take_inbox(self, wait: bool) -> None:
         """Take every inbox entry (blocking for the first one when ``wait``): add requests, run calls."""
@@ -281,7 +228,7 @@ class EngineThread:
             wait = False
             if entry is _WAKE:
                 continue
-            if isinstance(entry, _Call):
+            if isinstance(entry, Call):
                 try:
                     entry.future.set_result(entry.fn())
                 except BaseException as exc:
@@ -289,7 +236,33 @@ class EngineThread:
                 continue
             self._add(entry)
 
-    def _add(self, job: _Job) -> None:
+    def _add(self, job: Job) -> None:
+        """A request's prefix build queued (when it has one), or its sequences made now."""
+        if not job.cancelled:
+            build = job.runner.prefix_build(self.engine.config.max_step_tokens)
+            if build is not None:
+                self._building.append((job, build))
+                return
+        self._make(job)
+
+    def _build_chunk(self) -> None:
+        """One chunk of the oldest pending prefix build (at most ``max_step_tokens`` tokens, so a step's worth of
+        time); a build that is done, fails or whose request was cancelled gives way to making its sequences (a
+        failed build leaves the prefix to ``runner.sequences``, as if there had been none)."""
+        job, build = self._building[0]
+        try:
+            if not job.cancelled:
+                next(build)
+                return
+        except StopIteration:
+            pass
+        except Exception as exc:
+            log.warning("a prefix built in chunks for %r failed; its request goes on without it", job.runner.task.name,
+                        exc_info=exc)
+        self._building.popleft()
+        self._make(job)
+
+    def _make(self, job: Job) -> None:
         """A request's sequences into the engine loop (or its error back, when they cannot be made)."""
         if job.cancelled:
             self._queued(-len(job.items))
@@ -301,7 +274,7 @@ class EngineThread:
             log.error("sequences for %r could not be made", job.runner.task.name, exc_info=exc)
             self._queued(-len(job.items))
             job.left(len(job.items), self._aio)
-            self._aio.call_soon_threadsafe(_resolve, job.future, None, exc)
+            self._aio.call_soon_threadsafe(resolve, job.future, None, exc)
             return
         job.reused = made.prefix_tokens_reused
         for position, seq in enumerate(made.sequences):
@@ -313,7 +286,7 @@ class EngineThread:
         for seq in job.seqs:
             self.engine.add(seq)
 
-    def _finisher(self, job: _Job, position: int) -> Callable[[Sequence], None]:
+    def _finisher(self, job: Job, position: int) -> Callable[[Sequence], None]:
         def finished(seq: Sequence) -> None:
             self._done.append(seq)
             if id(seq) not in self._taken:  # it left before it was ever fed (cancelled, or failed at admission)
@@ -326,11 +299,11 @@ class EngineThread:
             except Exception as exc:
                 for other in job.seqs:
                     other.cancel()
-                self._aio.call_soon_threadsafe(_resolve, job.future, None, exc)
+                self._aio.call_soon_threadsafe(resolve, job.future, None, exc)
                 return
             job.remaining -= 1
             if job.remaining == 0:
-                self._aio.call_soon_threadsafe(_resolve, job.future, Answers(job.results, job.reused))
+                self._aio.call_soon_threadsafe(resolve, job.future, Answers(job.results, job.reused))
         return finished
 
     def _step(self) -> None:
@@ -380,21 +353,10 @@ class EngineThread:
             job = self._jobs.get(id(seq))
             if job is not None:
                 job.cancel()
-                self._aio.call_soon_threadsafe(_resolve, job.future, None, exc)
+                self._aio.call_soon_threadsafe(resolve, job.future, None, exc)
 
     def _queued(self, count: int) -> None:
         """Add ``count`` (negative: taken into a step, or gone) to the items waiting (any thread)."""
         with self._depth_lock:
             self._depth += count
             self._metrics.queue_depth.set(self._depth)
-
-
-def _resolve(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
-    """On the event loop: settle ``future`` unless it already is (a cancelled request's, say)."""
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-

@@ -20,9 +20,9 @@ This module knows nothing about HTTP.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Hashable, Sequence
+from typing import Callable, ClassVar, Hashable, Iterator, Sequence
 
-from ..cache.kv import PrefixKV
+from ..cache.kv import PrefixKV, build_in_chunks
 from ..cache.pool import PrefixPool
 from ..engine.forward import score_rows
 from ..engine.constraint import JsonConstraint
@@ -85,6 +85,24 @@ class _ReusingRunner:
             item.full = True
         return empty_prefix(self.loaded.model), [0] * len(items)
 
+
+    def prefix_build(self, chunk_tokens: int) -> Iterator[None] | None:
+        """Work for the model thread to do between steps before this request's sequences are made: its reusable
+        prompt part computed ``chunk_tokens`` at a time and held in the pool (one chunk per ``next``), so that a
+        long system prompt never stalls the loop for its whole prefill. None when there is nothing to compute in
+        chunks: the part is held already, too short to reuse or to need chunks, or the pool has a disk tier
+        (which :meth:`PrefixPool.get` reads first)."""
+        ids = self.prefix_ids
+        if (len(ids) < MIN_REUSE or len(ids) <= chunk_tokens or self.pool.store is not None
+                or self.pool.holds(self.loaded, ids)):
+            return None
+        return self._build(chunk_tokens)
+
+    def _build(self, chunk_tokens: int) -> Iterator[None]:
+        built = None
+        for built in build_in_chunks(self.loaded.model, self.prefix_ids, chunk_tokens):
+            yield
+        self.pool.hold(self.loaded, built, name="openai")
 
     def sequences(self, items: Sequence[PromptItem]) -> Submitted:
         prefix, cached = self._prefix(items)

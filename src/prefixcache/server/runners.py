@@ -33,7 +33,7 @@ This module knows nothing about HTTP or queues.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Protocol, Sequence
+from typing import Callable, ClassVar, Iterator, Protocol, Sequence
 
 from ..errors import ItemError, SequenceFailedError, TaskUploadError
 from ..scheduler.loop import BoundTask, Failure, ForwardScorer, WorkItem
@@ -79,6 +79,11 @@ class TaskRunner(Protocol):
         """Tokenize ``records`` with ``tokenizer``. Raises ItemError naming the first bad item."""
         ...
 
+    def prefix_build(self, chunk_tokens: int) -> Iterator[None] | None:
+        """On the model thread, before ``sequences``: work to run between steps, one ``next`` at a time (a long
+        prefix computed ``chunk_tokens`` at a time), or None when there is none."""
+        ...
+
     def sequences(self, items: Sequence) -> Submitted:
         """On the model thread: one engine-loop sequence per item, in order (``tag``: the item)."""
         ...
@@ -115,6 +120,10 @@ class _BoundRunner:
 
     def prepare(self, tokenizer, records: Sequence[Record], max_item_tokens: int) -> list[WorkItem]:
         return prepare_items(self.bound, tokenizer, records, max_item_tokens)
+
+    def prefix_build(self, chunk_tokens: int) -> None:
+        """Nothing: the task's prefix was built when the task was (at start-up or upload), between steps."""
+        return None
 
     def sequences(self, items: Sequence[WorkItem]) -> Submitted:
         """The items as sequences: after the stored prefix (looked up once, here), or after the empty prefix for
