@@ -48,3 +48,27 @@ def test_loading_keeps_freed_memory_for_reuse():
     pages = 20 * 4 * (16 << 20) // 4096  # what 20 rounds of fresh memory fault in
     assert handed_back["faults"] > pages // 2, f"untuned, every round should fault in fresh pages: {handed_back}"
     assert kept["faults"] < pages // 10, f"tuned, the freed tensor should be reused: {kept}"
+
+
+RELEASE_PROBE = """
+import json, resource
+from prefixcache.model.allocator import keep_freed_memory, release_freed_memory
+def rss_kb():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS:')).split()[1])
+keep_freed_memory()
+blocks = [bytearray(8 << 20) for _ in range(40)]  # 320 MiB from the heap (blocks under the raised threshold)
+peak = rss_kb()
+del blocks
+kept = rss_kb()
+released = release_freed_memory()
+print(json.dumps(dict(peak=peak, kept=kept, after=rss_kb(), released=released)))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="only glibc's allocator is tuned")
+def test_releasing_freed_memory_gives_the_kept_heap_back():
+    out = subprocess.run([sys.executable, "-c", RELEASE_PROBE], capture_output=True, text=True, check=True, timeout=300)
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    assert m["released"]
+    assert m["kept"] > m["peak"] - (64 << 10), f"the tuned heap should keep freed memory until released: {m}"
+    assert m["after"] < m["kept"] - (200 << 10), f"release_freed_memory should give most of 320 MiB back: {m}"

@@ -10,7 +10,9 @@ allocation history, so untuned runs land anywhere in between, which made batched
 :func:`keep_freed_memory` raises glibc's mmap threshold (blocks up to 32 MiB come from the heap) and
 its trim threshold (the heap is not shrunk), once per process. The cost: the process keeps its peak
 heap instead of returning it to the system. Only glibc is tuned; elsewhere (macOS, musl) nothing
-happens. ``PREFIXCACHE_KEEP_FREED_MEMORY=0`` turns it off.
+happens. ``PREFIXCACHE_KEEP_FREED_MEMORY=0`` turns it off. :func:`release_freed_memory` gives the kept memory
+back once, after work far larger than a pass (a long prompt's prefix, built in chunks), so that a single large
+request does not leave the process at its peak.
 """
 
 from __future__ import annotations
@@ -37,3 +39,15 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def release_freed_memory() -> bool:
+    """Return the heap's free memory to the system now (glibc's ``malloc_trim``). Returns whether it could."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    trim(0)
+    return True

@@ -45,6 +45,7 @@ from concurrent.futures import Future
 from typing import Callable, Hashable, Iterator, Sequence as Seq
 
 from ..errors import ShuttingDownError
+from ..model.allocator import release_freed_memory
 from ..scheduler.engine_loop import EngineLoop
 from ..scheduler.sequence import Sequence, Status
 from .admission import Admission, Hold
@@ -255,7 +256,7 @@ class EngineThread:
                 next(build)
                 return
         except StopIteration:
-            pass
+            release_freed_memory()  # the chunks' transient copies were many passes' worth
         except Exception as exc:
             log.warning("a prefix built in chunks for %r failed; its request goes on without it", job.runner.task.name,
                         exc_info=exc)
