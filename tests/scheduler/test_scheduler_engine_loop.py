@@ -179,6 +179,23 @@ def test_a_row_whose_constraint_fails_fails_alone(monkeypatch):
     assert good.status == Status.FINISHED and len(good.result.token_ids) >= 1
 
 
+def test_a_row_whose_constraint_allows_no_token_fails_alone(monkeypatch):
+    """A constraint that masks every token of a row (a dead end) fails that row with a ConstraintError's message;
+    sampling its all--inf logits would otherwise raise for the whole step."""
+    config = GenerationConfig(6)
+    stuck = Sequence(PREFIXES[0], [30, 31], Generate(config, Sampling(temperature=0.9, seed=1), constraint=SCHEMA))
+    good = Sequence(PREFIXES[0], [30, 32], Generate(config, Sampling(temperature=0.9, seed=2)))
+    from prefixcache.engine import constraint
+
+    def nothing(self, logits, live):
+        logits[:] = float("-inf")
+        return logits
+    monkeypatch.setattr(constraint.ConstrainedRows, "mask_", nothing)
+    EngineLoop(LOADED.model, LOADED.tokenizer).run_until_done([stuck, good])
+    assert stuck.status == Status.FAILED and "allows no next token" in stuck.error
+    assert good.status == Status.FINISHED and len(good.result.token_ids) >= 1
+
+
 def test_slot_store_take_give_and_budget():
     shape = KVShape.of(LOADED.model.config)
     store = SlotStore.within(shape, shape.nbytes(32, 4) * 3 + 5, 32, torch.float32, "cpu", max_slots=10)

@@ -299,6 +299,8 @@ class EngineLoop:
                     seq.rules = want.constraint.start(self.tokenizer, 1, want.config.eos_ids, want.config.max_new_tokens)
                 if seq.rules is not None:
                     seq.rules.mask_(logits[i : i + 1], [0])
+                    if not torch.isfinite(logits[i]).any():  # a dead end: no token may follow (see the docs)
+                        raise ConstraintError("the constraint allows no next token here")
             except ConstraintError as exc:
                 self._finish(seq, Status.FAILED, error=str(exc))
                 finished.append(seq)
