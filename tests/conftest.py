@@ -3,12 +3,22 @@ tiny task, built once per run. The builders and texts behind them are importable
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings
+
 
 from prefixcache.model.load import LoadedModel
 from prefixcache.task.definition import parse_task
 from tests.support.models import lean_tokenizer, make_tokenizer, tiny_loaded
 from tests.support.tasks import TASK_YAML, TEXTS
+
+# Under mutation testing (mutmut sets MUTANT_UNDER_TEST in every run it makes) each property test draws the same
+# examples in every run, so a mutant is judged by the tests that judged the clean run, not by a new draw.
+settings.register_profile("mutation", derandomize=True, database=None)
+if "MUTANT_UNDER_TEST" in os.environ:
+    settings.load_profile("mutation")
 
 
 @pytest.fixture(scope="session", params=["transformers", "lean"])
