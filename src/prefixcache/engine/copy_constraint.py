@@ -9,7 +9,7 @@ what copying allows:
 * inside a copy field's string, with content ``c`` so far (bytes): a token may follow when ``c + token``
   is a substring of the source (all its occurrences are followed, as the end positions of ``c``), or when the
   token closes the string (its bytes start with ``"``); the first token of a value may not begin with
-  whitespace;
+  whitespace, and no token may leave the value in the middle of a UTF-8 character;
 * elsewhere, a token the schema allows that contains a ``"`` is simulated on a copy of the row's
   :class:`~prefixcache.engine.json_cursor.JsonCursor`: one that would open a copy field's string with content
   that is not a span (``"INV``), or close one that is not, is masked. A copy field's ``null`` stays allowed.
@@ -102,7 +102,8 @@ class SourceSpans:
                 ids += table.by_bytes.get(self.source[start:end], ())
             self.at.append(tuple(ids))
         self.opening = torch.tensor(sorted({t for p in range(n) for t in self.at[p]
-                                            if table.token_bytes[t][0] not in BLANK}), dtype=torch.long)
+                                            if table.token_bytes[t][0] not in BLANK
+                                            and _whole_characters(table.token_bytes[t])}), dtype=torch.long)
 
     def ends(self, content: bytes) -> list[int]:
         """Every offset where an occurrence of ``content`` ends (content non-empty)."""
@@ -170,7 +171,8 @@ class CopyRows(ConstrainedRows):
         spans = self._row_spans(row)
         if not content:
             return torch.cat([spans.opening, self._quote_closers])
-        ids = sorted({t for end in spans.ends(content) for t in spans.at[end]})
+        table = self._table.token_bytes
+        ids = sorted({t for end in spans.ends(content) for t in spans.at[end] if _whole_characters(content + table[t])})
         return torch.cat([torch.tensor(ids, dtype=torch.long), self._quote_closers])
 
     def _structural(self, row: int, logits: torch.Tensor) -> torch.Tensor | None:
@@ -193,3 +195,13 @@ class CopyRows(ConstrainedRows):
             written.append(bytes(probe.text))
         return all(spans.allows(text) and not _FORBIDDEN.intersection(text) for text in written)
 
+
+def _whole_characters(content: bytes) -> bool:
+    """Whether a copy value's bytes end on a character boundary. A value is never left in the middle of a UTF-8
+    character: there the grammar may allow only a byte the source does not continue with (its closing path, when
+    the token budget runs out, picks the first continuation byte it finds), and no token would be left."""
+    try:
+        content.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
