@@ -55,6 +55,7 @@ def test_a_prefix_the_caller_computed_is_held_as_get_would_hold_it():
     pool = pool_for(loaded, 3)
     prefix = PrefixKV.build(loaded.model, ids(1))
     assert not pool.holds(loaded, ids(1))
+    assert pool.fits(loaded, len(ids(1))) and not pool.fits(loaded, 4 * len(ids(1))), "the budget holds 3 prefixes"
     pool.hold(loaded, prefix, name="chunked")
     pool.hold(loaded, prefix, name="chunked")
     assert pool.holds(loaded, ids(1)) and not pool.holds(loaded, ids(2))

@@ -162,6 +162,15 @@ class PrefixPool:
             entry = self._entries.get(PrefixKey.of(loaded, ids).digest)
             return entry is not None and entry.packed.token_ids == ids
 
+    def fits(self, loaded: LoadedModel, tokens: int) -> bool:
+        """Whether a prefix of ``tokens`` tokens could be held now (what :meth:`get` checks before computing)."""
+        with self._lock:
+            try:
+                self._check_fits(self.size_of(loaded, tokens), False, "")
+            except PoolBudgetError:
+                return False
+            return True
+
     def hold(self, loaded: LoadedModel, prefix: PrefixKV, name: str = "") -> None:
         """Hold ``prefix``, which the caller computed whole (in chunks, say), as :meth:`get` would have held it;
         a later ``get`` of its tokens is a hit. Nothing changes when it is already held.

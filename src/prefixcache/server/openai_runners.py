@@ -90,11 +90,12 @@ class _ReusingRunner:
         """Work for the model thread to do between steps before this request's sequences are made: its reusable
         prompt part computed ``chunk_tokens`` at a time and held in the pool (one chunk per ``next``), so that a
         long system prompt never stalls the loop for its whole prefill. None when there is nothing to compute in
-        chunks: the part is held already, too short to reuse or to need chunks, or the pool has a disk tier
+        chunks: the part is held already, too short to reuse or to need chunks, too large for the pool's budget
+        (``sequences`` then runs it as the request's own tokens, chunked by the loop), or the pool has a disk tier
         (which :meth:`PrefixPool.get` reads first)."""
         ids = self.prefix_ids
         if (len(ids) < MIN_REUSE or len(ids) <= chunk_tokens or self.pool.store is not None
-                or self.pool.holds(self.loaded, ids)):
+                or self.pool.holds(self.loaded, ids) or not self.pool.fits(self.loaded, len(ids))):
             return None
         return self._build(chunk_tokens)
 
