@@ -86,14 +86,30 @@ def classify(
     check_ray_options(ctx, ray, input, policy)
     keep = parse_keep(keep_fields, keep_input)
     task = task_with_trust(task_with_head(task, head), calibration, min_confidence, target_accuracy)
+    job = ClassifyJob(input, text_field, id_field, task, model, dtype, threads, method, config, out_path)
     if ray:
         record_folder_budget(cache_dir_budget, cache_dir)  # the workers honour the folder's recorded budget
-        return classify_on_ray(input, task, model, config, method, text_field, id_field, out_path,
-                               dtype, threads, cache_dir, ray_address, workers, num_gpus)
+        return classify_on_ray(job, cache_dir, ray_address, workers, num_gpus)
     output_path(out_path, "--out"), output_path(review_out, "--review-out")
     cache = (cache_budget, cache_dir, kv_storage, eviction, cache_dir_budget)
-    classify_here(input, task, model, config, method, text_field, id_field, out_path, dtype, threads, cache, policy, resume,
-                  Delivery(keep, review_out))
+    classify_here(job, cache, policy, resume, Delivery(keep, review_out))
+
+
+@dataclass(frozen=True)
+class ClassifyJob:
+    """What one ``classify`` reads, with which model and task, how it runs and where it writes: the settings a
+    local run and a Ray run share, parsed once by the command."""
+
+    input: str  # a file, a folder or URI (Ray), or - for stdin
+    text_field: str
+    id_field: Optional[str]
+    task: object  # a task name or path, or a loaded Task (with --head or trust settings folded in)
+    model: str
+    dtype: str
+    threads: Optional[int]
+    method: str
+    config: RunConfig
+    out_path: Optional[Path]
 
 
 @dataclass(frozen=True)
@@ -121,8 +137,7 @@ def task_with_trust(task, calibration: Optional[Path], min_confidence: Optional[
     return spec.model_copy(update=update)
 
 
-def classify_here(input, task, model, config: RunConfig, method, text_field, id_field, out_path, dtype, threads, cache,
-                  policy: str, resume: bool, delivery: Delivery = Delivery()) -> None:
+def classify_here(job: ClassifyJob, cache, policy: str, resume: bool, delivery: Delivery = Delivery()) -> None:
     """The local run, streamed from reader to journal (memory does not grow with the input): skip what
     ``--resume`` recovered, classify the rest.
     With ``--out`` the job file goes beside it, and ``--resume`` first checks that it is the same job.
@@ -133,14 +148,15 @@ def classify_here(input, task, model, config: RunConfig, method, text_field, id_
     from ..io.outputs import RowTap, finish_table, journal_path
     from ..types import RunStats
 
+    input, config, out_path = job.input, job.config, job.out_path
     if resume and out_path is None:
         raise typer.BadParameter("--resume needs --out: the output file is what it resumes")
     total = data.count_rows(input)  # a cheap pass for the progress bar; the job itself streams
-    records = check_text_field(data.scan_records(input, text_field, id_field), text_field)
+    records = check_text_field(data.scan_records(input, job.text_field, job.id_field), job.text_field)
     journal = journal_path(out_path) if out_path else None
     done = recover(journal) if resume else Recovered()
     records = skip_done(done, records, journal)
-    classifier = setup_classifier(task, model, dtype, threads, method, make_pool(*cache))
+    classifier = setup_classifier(job.task, job.model, job.dtype, job.threads, job.method, make_pool(*cache))
     start_job(classifier, out_path, resume, done.lines)
     stats = RunStats()
     mode = "a" if resume else "w"
@@ -214,8 +230,7 @@ def task_with_head(task: str, head: Optional[Path]):
     return load_task(task).model_copy(update={"head": str(Path(head).resolve())})
 
 
-def classify_on_ray(input, task, model, config: RunConfig, method, text_field, id_field, out_path, dtype, threads,
-                    cache_dir, ray_address, workers, num_gpus) -> None:
+def classify_on_ray(job: ClassifyJob, cache_dir, ray_address, workers, num_gpus) -> None:
     """``classify --ray``: the job is :func:`prefixcache.scaleout.run_ray_classify`; it prints the summary
     (items/s per worker and in total) through ``log``, on standard error, and the exit code follows its errors."""
     from ..scaleout import run_ray_classify
@@ -224,10 +239,12 @@ def classify_on_ray(input, task, model, config: RunConfig, method, text_field, i
     def log(line: str) -> None:
         err.print(line, markup=False, highlight=False, soft_wrap=True)  # unwrapped: the summary is a table
 
+    config = job.config
     summary = run_ray_classify(
-        input, out_path, task, model, workers, ray_address, num_gpus, config.batch_size, text_field, id_field,
-        choice(dtype, DTYPE_CHOICES, "--dtype"), threads, log,
-        method=choice(method, METHODS, "--method"), mode=config.mode.value, overflow=config.overflow, cache_dir=cache_dir,
+        job.input, job.out_path, job.task, job.model, workers, ray_address, num_gpus, config.batch_size, job.text_field,
+        job.id_field, choice(job.dtype, DTYPE_CHOICES, "--dtype"), job.threads, log,
+        method=choice(job.method, METHODS, "--method"), mode=config.mode.value, overflow=config.overflow,
+        cache_dir=cache_dir,
     )
     if summary.errors:
         raise typer.Exit(1)

@@ -52,18 +52,23 @@ def verify(
     config = RunConfig(choice(mode, CACHED_MODES, "--mode"), batch_size)
     pool = make_pool(cache_budget, cache_dir, kv_storage, eviction, cache_dir_budget)
     if is_extract(task):
-        return verify_extract(input, task, model, config, text_field, id_field, as_json, dtype, threads, pool)
-    verify_labels(input, task, model, config, method, text_field, id_field, as_json, dtype, threads, pool, head)
+        extractor = setup_extractor(task, model, dtype, threads, pool)
+        return verify_extract(extractor, read_checked(input, text_field, id_field), config, as_json)
+    classifier = setup_classifier(task, model, dtype, threads, method, pool, head)
+    verify_labels(classifier, read_checked(input, text_field, id_field), config, as_json)
 
 
-def verify_labels(input, task, model, config: RunConfig, method, text_field, id_field, as_json, dtype, threads, pool,
-                  head=None) -> None:
-    """``verify`` for a classification task: labels (and log-probs) of full re-encoding and the cached mode."""
-    from ..eval.verify import verify as run_verify
+def read_checked(input: str, text_field: str, id_field: Optional[str]) -> list:
+    """Every record of ``input``, refused with the record's name if one lacks ``text_field``."""
     from ..io import records as data
 
-    classifier = setup_classifier(task, model, dtype, threads, method, pool, head)
-    records = list(check_text_field(data.read_records(input, text_field, id_field), text_field))
+    return list(check_text_field(data.read_records(input, text_field, id_field), text_field))
+
+
+def verify_labels(classifier, records: list, config: RunConfig, as_json: bool) -> None:
+    """``verify`` for a classification task: labels (and log-probs) of full re-encoding and the cached mode."""
+    from ..eval.verify import verify as run_verify
+
     with progress(2 * len(records), f"verify [full + {config.mode}]") as bar:
         result = run_verify(classifier, records, config, progress=bar.update)
     agreement = result.agreement
@@ -84,13 +89,10 @@ def verify_labels(input, task, model, config: RunConfig, method, text_field, id_
         raise typer.Exit(1)
 
 
-def verify_extract(input, task, model, config: RunConfig, text_field, id_field, as_json, dtype, threads, pool) -> None:
+def verify_extract(extractor, records: list, config: RunConfig, as_json: bool) -> None:
     """``verify`` for an extraction task: uncached vs cached generation must be identical, token for token."""
-    from ..io import records as data
     from ..eval.verify_extract import verify_extract as run_verify_extract
 
-    extractor = setup_extractor(task, model, dtype, threads, pool)
-    records = list(check_text_field(data.read_records(input, text_field, id_field), text_field))
     with progress(2 * len(records), f"verify extract [full + {config.mode}]") as bar:
         agreement, _, _ = run_verify_extract(extractor, records, config, progress=bar.update)
     report_agreement(
@@ -105,6 +107,6 @@ def verify_extract(input, task, model, config: RunConfig, text_field, id_field, 
             "differing ids": some_ids(agreement.differing_ids),
         },
     )
-    report_pool(pool)
+    report_pool(extractor.pool)
     if not agreement.ok:
         raise typer.Exit(1)
