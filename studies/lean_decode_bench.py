@@ -46,6 +46,41 @@ class Int8Linear(torch.nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+class Int4Linear(torch.nn.Module):
+    """A weight-only int4 linear layer: groups of 32 input columns with a min/max scale and offset (the Q4_1
+    scheme, so a checkpoint dequantized from Q4_1 weights is recovered exactly), ``_weight_int4pack_mm_for_cpu``."""
+
+    GROUP = 32
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()  # [N, K]
+        groups = weight.view(weight.shape[0], -1, self.GROUP)  # [N, K/G, G]
+        low, high = groups.amin(-1), groups.amax(-1)  # [N, K/G]
+        step = ((high - low) / 15).clamp(min=1e-10)
+        q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32).view_as(weight)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        # w = (q - 8) * scale + zero, so zero = low + 8 * step: [K/G, N, 2]
+        self.register_buffer("scales_zeros", torch.stack([step.T, (low + 8 * step).T], -1).to(linear.weight.dtype))
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [M, K]
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.GROUP, self.scales_zeros)
+        out = out.view(*x.shape[:-1], -1)
+        return out if self.bias is None else out + self.bias
+
+
+def to_int4(model: torch.nn.Module) -> torch.nn.Module:
+    """Swap every linear layer of the decoder stack (not the output head) for :class:`Int4Linear`, in place."""
+    for layer in model.base_model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, Int4Linear(child))
+    return model
+
+
 def to_int8(model: torch.nn.Module) -> torch.nn.Module:
     """Swap every linear layer of the decoder stack (not the output head) for :class:`Int8Linear`, in place."""
     for layer in model.base_model.layers:
@@ -88,6 +123,10 @@ def lanes(args, dtype: str) -> list[tuple[str, torch.nn.Module, object]]:
     if args.int8 and dtype == "bfloat16":
         loaded = load_model("smollm2-135m", dtype, args.threads, decoder="lean")
         out.append(("lean int8", to_int8(loaded.model), loaded.tokenizer))
+    if args.int4 and dtype == "bfloat16":
+        # quantized from the float32 weights (the Q4_1 values exactly), then scales and the rest cast to bfloat16
+        loaded = load_model("smollm2-135m", "float32", args.threads, decoder="lean")
+        out.append(("lean int4", to_int4(loaded.model).to(torch.bfloat16), loaded.tokenizer))
     if args.compile:
         loaded = load_model("smollm2-135m", dtype, args.threads, decoder="lean")
         loaded.model.model.forward = torch.compile(loaded.model.model.forward, dynamic=True)
@@ -129,6 +168,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--int8", action="store_true")
+    parser.add_argument("--int4", action="store_true")
     parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     print(f"{args.steps} steps per timing, best of {args.rounds} interleaved rounds by CPU time\n")
