@@ -28,8 +28,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from loadtest import HOST, TICKET, Server, add_server_options  # noqa: E402
+from prefixcache.bench.loadtest.options import ServedModel
+from prefixcache.bench.loadtest.served import HOST, TICKET, Launch, Server
 
 
 def post(port: int, key: str, path: str, body: dict | bytes, timeout: float = 600) -> tuple[int, float, str]:
@@ -114,11 +114,12 @@ def drop_streams(port: int, key: str, model: str, count: int) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_server_options(p, dtype="auto")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch threads in the server (default: all cores)")
     args = p.parse_args()
-    args.task, args.clients, args.items_per_request, args.max_step_tokens = "support-tickets", 1, 1, None
     key = secrets.token_urlsafe(16)
-    server = Server(args, 32, key)
+    server = Server(Launch(ServedModel(args.model, args.dtype, args.threads), ("support-tickets",), 32), key)
     rows, verdicts = [], []
     try:
         classify(server.port, key)

@@ -34,14 +34,13 @@ import multiprocessing
 import os
 import secrets
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 
 # The load test's server launcher (a `prefixcache serve` subprocess on a free loopback port).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from loadtest import HOST, TICKET, Server, add_server_options, pct  # noqa: E402
+from prefixcache.bench.loadtest.clients import pct
+from prefixcache.bench.loadtest.options import ServedModel
+from prefixcache.bench.loadtest.served import HOST, TICKET, Launch, Server
 
 HEAD = 'name: {name}\nkind: classify\ninstruction: "Classify the ticket."\n'
 LABELS = 'labels:\n  billing: "Money."\n  technical: "Bugs."\n'
@@ -214,7 +213,9 @@ def report(m: dict, args) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_server_options(p, dtype="float32")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None, help="torch threads in the server (default: all cores)")
     p.add_argument("--uploads", type=int, default=20, help="concurrent hostile upload threads")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of attack")
     p.add_argument("--idle-seconds", type=float, default=6.0, help="seconds of /healthz polling on the idle server")
@@ -226,7 +227,6 @@ def main() -> int:
                    help="pin the server (1 torch thread) to the first core and the attacking clients to the second, "
                         "so that the attack's own client CPU does not count against the server")
     args = p.parse_args()
-    args.task, args.max_step_tokens, args.clients, args.items_per_request = ("support-tickets", None, 1, 1)
     client_key, admin_key = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     os.environ["PREFIXCACHE_ADMIN_KEY"] = admin_key  # Server passes this process's environment on
     from prefixcache.server.settings import ServerSettings
@@ -237,7 +237,7 @@ def main() -> int:
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[0]})
         args.threads = 1
-    server = Server(args, 32, client_key)
+    server = Server(Launch(ServedModel(args.model, args.dtype, args.threads), ("support-tickets",), 32), client_key)
     if args.split_cores:
         os.sched_setaffinity(0, {cores[1]})
     try:

@@ -111,7 +111,8 @@ def test_machine_info_describes_this_process():
 def test_the_command_is_written_as_a_user_types_it():
     assert command_line(["/x/prefixcache/__main__.py", "bench", "--items", "12"]) == "prefixcache bench --items 12"
     assert command_line(["/venv/bin/prefixcache", "eval", "a b.jsonl"]) == "prefixcache eval 'a b.jsonl'"
-    assert command_line(["scripts/loadtest.py", "--json", "x.json"]) == "python scripts/loadtest.py --json x.json"
+    assert command_line(["/venv/bin/prefixcache", "loadtest", "--json", "x.json"]) == "prefixcache loadtest --json x.json"
+    assert command_line(["studies/hostile_requests.py", "--dtype", "float32"]) == "python studies/hostile_requests.py --dtype float32"
 
 
 def test_captions_name_the_gpu_or_the_cpu_kind():

@@ -130,6 +130,29 @@ BAD = {
     ("extract", "--review"): (f"{NOWHERE}/review.jsonl", "cannot write", 2),
     ("cache ls", "--cache-dir"): ("/nonexistent-folder/cache", "no such cache folder", 2),
     ("cache clear", "--cache-dir"): ("/nonexistent-folder/cache", "no such cache folder", 2),
+    # every loadtest lane checks its values before it starts a server
+    **{("loadtest", option): ANY[option] for option in ("--task", "--model", "--dtype", "--threads")},
+    **{("loadtest", option): ("0", option, 2) for option in ("--clients", "--requests", "--items-per-request",
+                                                             "--distinct", "--max-batch", "--max-step-tokens", "--rounds")},
+    **{("loadtest", option): ("-1", option, 2) for option in ("--tolerance", "--near-tie", "--target", "--openai-target")},
+    ("loadtest", "--soak"): ("0", "--soak", 2),
+    ("loadtest", "--json"): (f"{NOWHERE}/loadtest.json", "is not a folder", 2),
+    **{("loadtest mixed", option): ANY[option] for option in ("--model", "--dtype", "--threads")},
+    ("loadtest mixed", "--baseline-src"): ("/nonexistent-folder/src", "is not a folder", 2),
+    **{("loadtest mixed", option): ("0", option, 2) for option in ("--extract-clients", "--classify-clients", "--seconds",
+                                                                   "--idle")},
+    ("loadtest mixed", "--json"): (f"{NOWHERE}/mixed.json", "is not a folder", 2),
+    ("loadtest peer", "--llama-server"): None,  # any path: without a binary there, that lane is skipped and says so
+    ("loadtest peer", "--gguf"): ("/nonexistent-folder/model.gguf", "no such .gguf file", 2),
+    **{("loadtest peer", option): ANY[option] for option in ("--task", "--dtype", "--threads")},
+    **{("loadtest peer", option): ("0", option, 2) for option in ("--requests", "--clients")},
+    ("loadtest peer", "--json"): (f"{NOWHERE}/peer.json", "is not a folder", 2),
+    **{("loadtest fairness", option): ANY[option] for option in ("--model", "--dtype", "--threads")},
+    ("loadtest fairness", "--max-batch"): ("32,x", "whole numbers", 2),
+    ("loadtest fairness", "--max-step-tokens"): ("0", "whole numbers", 2),
+    **{("loadtest fairness", option): ("0", option, 2) for option in ("--requests", "--flood-connections", "--flood-items")},
+    ("loadtest fairness", "--flood-lead"): ("-1", "--flood-lead", 2),
+    ("loadtest fairness", "--ratio"): ("0.5", "--ratio", 2),
 }
 
 
@@ -137,18 +160,20 @@ def documented_options() -> list[tuple[str, str, bool]]:
     """(command, option, takes a number) for every non-flag parameter of every command, from the app itself."""
     found = []
 
+    def add(command, name: str) -> None:
+        for param in command.params:
+            if getattr(param, "is_flag", False):
+                continue
+            option = param.opts[0] if param.opts[0].startswith("-") else "input"
+            annotation = param.type_descriptor.annotation  # typer's own record of the declared type
+            numeric = annotation in (int, float) or bool({int, float} & set(typing.get_args(annotation)))
+            found.append((name, option, numeric))
+
     def walk(group, prefix: str) -> None:
         for name, command in group.commands.items():
+            add(command, f"{prefix}{name}")  # a group's own options too: `loadtest` runs its plain lane
             if hasattr(command, "commands"):
                 walk(command, f"{prefix}{name} ")
-                continue
-            for param in command.params:
-                if getattr(param, "is_flag", False):
-                    continue
-                option = param.opts[0] if param.opts[0].startswith("-") else "input"
-                annotation = param.type_descriptor.annotation  # typer's own record of the declared type
-                numeric = annotation in (int, float) or bool({int, float} & set(typing.get_args(annotation)))
-                found.append((f"{prefix}{name}", option, numeric))
 
     walk(typer.main.get_command(app), "")
     return found
@@ -182,6 +207,10 @@ def setup(tmp_path_factory) -> dict:
             "serve": [*task, *model, "--port", "0"],
             "cache ls": ["--cache-dir", str(root)],
             "cache clear": ["--cache-dir", str(root / "empty-cache")],
+            "loadtest": [*task, *model],
+            "loadtest mixed": model,
+            "loadtest peer": ["--threads", "1"],
+            "loadtest fairness": model,
         },
     }
 

@@ -31,8 +31,10 @@ def loaded_after(code: str) -> list[str]:
         "from prefixcache.cli.app import app\nfrom typer.testing import CliRunner\nassert CliRunner().invoke(app, ['tasks']).exit_code == 0",
         "from prefixcache.cli.app import app\nfrom typer.testing import CliRunner\nimport tempfile\n"
         "assert CliRunner().invoke(app, ['cache', 'ls', '--cache-dir', tempfile.mkdtemp()]).exit_code == 0",
+        "from prefixcache.cli.app import app\nfrom typer.testing import CliRunner\n"
+        "assert CliRunner().invoke(app, ['loadtest', '--help']).exit_code == 0",
     ],
-    ids=["package", "value types", "cli app", "--help", "models", "tasks", "cache ls"],
+    ids=["package", "value types", "cli app", "--help", "models", "tasks", "cache ls", "loadtest --help"],
 )
 def test_no_engine_at_start_up(code):
     assert loaded_after(code) == [], "the CLI's start-up must not import the engine (docs/architecture.md)"

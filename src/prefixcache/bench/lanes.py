@@ -27,7 +27,6 @@ from ..model.load import LoadedModel
 from ..scheduler.classify import Classifier, warmup
 from ..types import Mode, Prediction, Record, RunConfig, RunStats
 from .memory import PeakRSS
-from .roofline import matmul_peak_gflops  # noqa: F401  (re-exported: scripts/loadtest.py imports it from here)
 from .workload import example_pool, grow_task
 
 

@@ -16,7 +16,7 @@ A table sits between two marker comments in a markdown file::
 
 Kinds (every JSON is one command's output; its caption says which machine): ``modes`` (every lane of a
 ``bench`` run), ``lanes`` (the README's short form of one), ``sweep`` (``bench --sweep-prefix``), ``labels`` (the many-label floor), ``demo`` (``demo --json``),
-``loadtest`` (``scripts/loadtest.py --json``), ``accuracy`` (pairs of ``eval --json``: the prompt, then a head),
+``loadtest`` (``prefixcache loadtest --json``), ``accuracy`` (pairs of ``eval --json``: the prompt, then a head),
 ``machines`` (several ``bench`` runs, one row per machine).
 """
 

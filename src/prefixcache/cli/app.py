@@ -12,6 +12,7 @@ import typer
 
 from . import bench, catalog, classify, demo, evaluate, extract, fit, serve, suggest, verify
 from .cache import cache_app
+from .loadtest import loadtest_app
 
 app = typer.Typer(
     add_completion=False,
@@ -30,6 +31,7 @@ app.command()(suggest.suggest)
 app.command()(serve.serve)
 app.command()(extract.extract)
 app.add_typer(cache_app, name="cache")
+app.add_typer(loadtest_app, name="loadtest")
 
 
 def main() -> None:  # pragma: no cover - entry point

@@ -56,7 +56,7 @@ def gpu_name() -> str | None:
 
 def command_line(argv: list[str] | None = None) -> str:
     """The command this process was started with, as a user would type it: ``prefixcache bench --items 120``
-    (also under ``python -m prefixcache``), ``python scripts/loadtest.py --json F``."""
+    (also under ``python -m prefixcache``), ``python studies/hostile_requests.py --dtype float32``."""
     argv = list(sys.argv if argv is None else argv)
     if not argv:
         return ""

@@ -1,12 +1,12 @@
-#!/usr/bin/env python3
 """One client floods the server; how long does another client's one-item request take? (issue 19, item 9)
+``prefixcache loadtest fairness``.
 
 The server tells clients apart by their key's role and their address (``docs/server.md``, Fairness). On
-loopback every address in 127.0.0.0/8 reaches the server, so this script gives each client its own source
+loopback every address in 127.0.0.0/8 reaches the server, so each client gets its own source
 address: the *flood* sends from 127.0.0.2, the *victim* from 127.0.0.3.
 
-For each ``--max-batch`` (and each ``--max-step-tokens``, when given) it starts one ``prefixcache serve`` (``support-tickets``, the given model and dtype)
-and measures, in order:
+For each ``--max-batch`` (and each ``--max-step-tokens``, when given) it starts one ``prefixcache serve``
+(``support-tickets``, the given model and dtype) and measures, in order:
 
 1. **idle**: the victim's one-item ``POST /v1/classify`` requests, one after another, on the idle server;
 2. **flood**: ``--flood-connections`` threads of the flooding client each send ``--flood-items``-item
@@ -15,15 +15,11 @@ and measures, in order:
 
 It prints a markdown table (victim p50/p99/max, the p99 as a multiple of the idle p99, the flood's
 items/s in its passes, the 429s) and a verdict on the issue's bar: the other client's p99 under the flood within
-``--ratio`` x its idle p99. Exit code 0 when every lane's verdict passes and nothing failed; 1 otherwise.
-
-    python scripts/fairness.py                      # --max-batch 32 and 8, serve's default dtype
-    python scripts/fairness.py --max-batch 32 --max-step-tokens 512,256,128   # the step budget's trade-off
+``--ratio`` x its idle p99. It passes when every lane's verdict passes and nothing failed.
 """
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import secrets
@@ -31,7 +27,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from loadtest import HOST, TICKET, Server, add_server_options, pass_figures, pct
+from .clients import pct
+from .options import CLASSIFY_TASK, FairnessOptions
+from .served import HOST, TICKET, Launch, Server, pass_figures
 
 FLOOD_ADDRESS, VICTIM_ADDRESS = "127.0.0.2", "127.0.0.3"
 
@@ -55,7 +53,7 @@ def connect(port: int, address: str) -> http.client.HTTPConnection:
 
 def classify(conn: http.client.HTTPConnection, key: str, items: list[dict]) -> tuple[int, float, dict]:
     """One POST /v1/classify: (status, seconds, headers)."""
-    body = json.dumps({"task": "support-tickets", "items": items})
+    body = json.dumps({"task": CLASSIFY_TASK, "items": items})
     started = time.perf_counter()
     conn.request("POST", "/v1/classify", body=body,
                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
@@ -106,15 +104,15 @@ def victim(port: int, key: str, address: str, count: int, failures: list[str]) -
     return samples
 
 
-def flooded(port: int, key: str, args, address: str, failures: list[str]) -> tuple[list[float], Flood, float]:
-    """The victim's latencies from ``address`` while the flood runs; the flood's figures and seconds."""
+def flooded(port: int, key: str, options: FairnessOptions, failures: list[str]) -> tuple[list[float], Flood, float]:
+    """The victim's latencies from its address while the flood runs; the flood's figures and seconds."""
     stop, flood = threading.Event(), Flood()
-    threads = [threading.Thread(target=flood_loop, args=(port, key, args.flood_items, stop, flood))
-               for _ in range(args.flood_connections)]
+    threads = [threading.Thread(target=flood_loop, args=(port, key, options.flood_items, stop, flood))
+               for _ in range(options.flood_connections)]
     started, before = time.perf_counter(), pass_figures(port, key)
     [thread.start() for thread in threads]
-    time.sleep(args.flood_lead)  # let the flood fill the queue first
-    samples = victim(port, key, address, args.requests, failures)
+    time.sleep(options.flood_lead)  # let the flood fill the queue first
+    samples = victim(port, key, VICTIM_ADDRESS, options.requests, failures)
     seconds = time.perf_counter() - started
     after, answered = pass_figures(port, key), flood.items
     stop.set()
@@ -124,19 +122,18 @@ def flooded(port: int, key: str, args, address: str, failures: list[str]) -> tup
     return samples, flood, seconds
 
 
-def run_server(args, max_batch: int, step_tokens: int | None) -> list[dict]:
+def run_server(options: FairnessOptions, max_batch: int, step_tokens: int | None) -> list[dict]:
     """The victim idle, then under the flood, on one server at ``max_batch`` and ``step_tokens`` (None: the
     server's default ``--max-step-tokens``)."""
     key = secrets.token_urlsafe(24)
-    args.max_step_tokens = step_tokens
-    server = Server(args, max_batch, key)
+    server = Server(Launch(options.served, (CLASSIFY_TASK,), max_batch, max_step_tokens=step_tokens), key)
     rows, failures = [], []
     lane = f"{max_batch} / {step_tokens or 'default'}"
     try:
         victim(server.port, key, VICTIM_ADDRESS, 3, failures)  # warm-up
-        idle = victim(server.port, key, VICTIM_ADDRESS, args.requests, failures)
+        idle = victim(server.port, key, VICTIM_ADDRESS, options.requests, failures)
         rows.append(dict(settings=lane, lane="idle", samples=idle, flood=None, seconds=0.0))
-        samples, flood, seconds = flooded(server.port, key, args, VICTIM_ADDRESS, failures)
+        samples, flood, seconds = flooded(server.port, key, options, failures)
         rows.append(dict(settings=lane, lane="flood", samples=samples, flood=flood, seconds=seconds))
         print(f"  {lane}: victim p99 {pct(samples, 0.99):.0f} ms, flood {flood.items} items", flush=True)
     finally:
@@ -153,8 +150,8 @@ def passes(flood: Flood | None) -> str:
     return f"{flood.pass_items / flood.passes:.1f}, {1000 * flood.pass_seconds / flood.passes:.0f}"
 
 
-def report(rows: list[dict], args) -> int:
-    """The markdown table and the verdicts; the exit code."""
+def report(rows: list[dict], options: FairnessOptions) -> bool:
+    """The markdown table and the verdicts; True when every verdict passes."""
     print("\n| --max-batch / --max-step-tokens | lane | victim requests | p50 ms | p99 ms | max ms | p99 / idle p99 "
           "| model items/s in passes | flood 429s | mean pass: items, ms |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     verdicts, idle = [], {}
@@ -169,35 +166,19 @@ def report(rows: list[dict], args) -> int:
               f"| {pct(samples, 1.0):.0f} | {ratio:.1f}x | {rate} | {flood.refused if flood else '–'} | {passes(flood)} |")
         if row["lane"] == "flood":
             verdicts.append((f"{row['settings']}: the other client's p99 is {ratio:.1f}x idle "
-                             f"(bar {args.ratio:.0f}x)", ratio <= args.ratio))
+                             f"(bar {options.ratio:.0f}x)", ratio <= options.ratio))
         if flood and flood.failures:
             verdicts.append((f"flood failures: {sorted(set(flood.failures))}", False))
     failures = rows[0]["failures"] if rows else []
     verdicts.append((f"victim failures: {len(failures)} {sorted(set(failures))}", not failures))
     print("\n" + "\n".join(f"* {'PASS' if ok else 'FAIL'}: {text}" for text, ok in verdicts))
-    return 0 if all(ok for _, ok in verdicts) else 1
+    return all(ok for _, ok in verdicts)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_server_options(p, dtype="auto")
-    p.add_argument("--max-batch", default="32,8", help="comma-separated --max-batch values, one server each")
-    p.add_argument("--requests", type=int, default=20, help="victim requests per lane")
-    p.add_argument("--flood-connections", type=int, default=4, help="the flooding client's concurrent requests")
-    p.add_argument("--flood-items", type=int, default=256, help="items per flood request")
-    p.add_argument("--flood-lead", type=float, default=2.0, help="seconds the flood runs before the victim starts")
-    p.add_argument("--max-step-tokens", default="", help="comma-separated --max-step-tokens values, one server "
-                   "each per --max-batch (default: the server's own)")
-    p.add_argument("--ratio", type=float, default=3.0, help="the bar: victim p99 under the flood / idle p99")
-    args = p.parse_args()
-    steps = [int(value) for value in args.max_step_tokens.split(",") if value] or [None]
-    args.task, args.clients, args.items_per_request = ("support-tickets", 1, 1)
+def run_fairness(options: FairnessOptions) -> bool:
+    """One server per (``--max-batch``, ``--max-step-tokens``) pair, in turn; the table; True when it passes."""
     rows = []
-    for max_batch in (int(value) for value in args.max_batch.split(",")):
-        for step_tokens in steps:
-            rows += run_server(args, max_batch, step_tokens)
-    return report(rows, args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    for max_batch in options.max_batches:
+        for step_tokens in options.step_tokens:
+            rows += run_server(options, max_batch, step_tokens)
+    return report(rows, options)

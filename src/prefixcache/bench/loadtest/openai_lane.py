@@ -1,10 +1,10 @@
-"""The OpenAI-compatible lane of ``scripts/loadtest.py --openai``: the official ``openai`` client, unmodified.
+"""The OpenAI-compatible lane of ``prefixcache loadtest --openai``: the official ``openai`` client, unmodified.
 
 Each item becomes the chat a vLLM user would send for it: the task's own system prompt and few-shot turns
 (``render_messages``) and the ticket as the last user message, with ``guided_choice`` over the task's labels.
 The answers are reshaped as ``/v1/classify`` results (``id``, ``label``, ``scores`` as probabilities) so the
 load test checks both lanes against the same sequential reference; each also carries the usage's
-``cached_tokens`` and ``prompt_tokens``.
+``cached_tokens`` and ``prompt_tokens``. ``openai`` is a test extra: imported only when this lane runs.
 """
 
 from __future__ import annotations
@@ -12,17 +12,20 @@ from __future__ import annotations
 import json
 import math
 
+from .clients import Send
+from .served import HOST
 
-def openai_sender(host: str, port: int, key: str, task_path: str):
+
+def openai_sender(port: int, key: str, task_path: str) -> Send:
     """A ``send(items) -> (status, body bytes)`` for one client thread (its own ``openai.OpenAI`` client)."""
     import openai
 
-    from prefixcache import load_task
-    from prefixcache.task.prompt import input_lead, render_messages
+    from ...task.definition import load_task
+    from ...task.prompt import input_lead, render_messages
 
     task = load_task(task_path)
     head, lead, labels = render_messages(task)[:-1], input_lead(task), list(task.labels)
-    client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key=key, max_retries=0, timeout=300)
+    client = openai.OpenAI(base_url=f"http://{HOST}:{port}/v1", api_key=key, max_retries=0, timeout=300)
     model = client.models.list().data[0].id
 
     def send(items: list[dict]) -> tuple[int, bytes]:

@@ -1,4 +1,4 @@
-"""The load test's judge (scripts/loadtest.py): how responses are compared with the sequential result.
+"""The load test's judge (prefixcache.bench.loadtest.judge): how responses are compared with the sequential result.
 
 A changed label is a flagged near tie only when the sequential margin is within twice the lane's own
 log-prob drift, measured on the responses whose label did not change; any other change, a probability
@@ -7,25 +7,12 @@ off by more than the tolerance, a wrong id or an HTTP error is a failure.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from argparse import Namespace
-from pathlib import Path
 
-from prefixcache.scheduler.classify import Prediction
+from prefixcache.bench.loadtest.judge import Lane, check, settle
 from prefixcache.engine.scoring import LabelScores
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "loadtest.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("loadtest", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("loadtest", module)  # dataclasses look their module up while the script runs
-    spec.loader.exec_module(module)
-    return module
+from prefixcache.scheduler.classify import Prediction
 
 
 def prediction(text: str, probs: dict[str, float]) -> Prediction:
@@ -39,12 +26,10 @@ def response(ids_and_probs) -> bytes:
     return json.dumps({"results": results}).encode()
 
 
-def judge(outcomes, requests, reference, **args):
-    loadtest = load_script()
-    lane = loadtest.Lane("lane", 32)
-    options = Namespace(tolerance=args.get("tolerance", 0.05), near_tie=args.get("near_tie"))
-    loadtest.check(lane, outcomes, requests, reference, options)
-    bound = loadtest.settle(lane, options)
+def judge(outcomes, requests, reference, tolerance=0.05, near_tie=None):
+    lane = Lane("lane", 32)
+    check(lane, outcomes, requests, reference, tolerance)
+    bound = settle(lane, near_tie)
     return lane, bound
 
 

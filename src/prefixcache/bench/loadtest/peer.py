@@ -1,9 +1,10 @@
-#!/usr/bin/env python3
-"""`prefixcache serve` against llama.cpp's own `llama-server`, over the OpenAI chat API, in one run.
+"""`prefixcache serve` against llama.cpp's own `llama-server`, over the OpenAI chat API, in one run
+(``prefixcache loadtest peer``).
 
 Both servers run the same ``.gguf`` (the embedded SmolLM2-135M by default) on loopback, one after the other
 (never at once, so neither takes the other's cores). Each gets the same chats from ``--clients`` closed-loop
-clients, each an unmodified official ``openai`` client, in two workloads:
+clients, each an unmodified official ``openai`` client (a test extra: imported only when the lane runs), in two
+workloads:
 
 * **classification**: the task's system prompt, its worked examples and the ticket, answered with one of the
   task's labels: ``guided_choice`` for prefixcache, the equivalent GBNF ``grammar`` for llama-server;
@@ -13,28 +14,22 @@ clients, each an unmodified official ``openai`` client, in two workloads:
 It reports requests/s, p50/p99 latency and the share of valid answers (a label of the task; JSON with the three
 fields) per server and workload, and the ratio prefixcache / llama-server. Without a ``llama-server`` binary
 (``--llama-server``, or ``LLAMA_SERVER``, or one on ``PATH``) the llama-server lane is skipped, and says so.
-
-    python scripts/loadtest_peer.py --llama-server /path/to/llama-server --requests 64 --clients 8
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import queue
 import secrets
-import shutil
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest import HOST, Server
+from ...model.catalog import DEFAULT_MODEL
+from .llama_server import LlamaServer, found_binary
+from .options import PeerOptions, ServedModel
+from .served import HOST, Launch, Server, queue_for
 
 SCHEMA = {
     "type": "object",
@@ -68,43 +63,35 @@ class Result:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"))
-    p.add_argument("--gguf", default=None, help="the .gguf both servers run (default: the embedded model's)")
-    p.add_argument("--task", default="support-tickets", help="the classification task (labels, prompt, examples)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--threads", type=int, default=None, help="threads for both servers (default: all cores)")
-    p.add_argument("--json", dest="json_path", default=None, help="also write the figures as JSON here")
-    return p.parse_args()
+@dataclass(frozen=True)
+class Chats:
+    """The classification chats, the extraction chats, and the task's labels."""
+
+    classify: list[list[dict]]
+    extract: list[list[dict]]
+    labels: list[str]
 
 
-def embedded_gguf() -> str:
-    from prefixcache.model.load import embedded_gguf
-
-    return str(embedded_gguf("smollm2-135m"))
-
-
-def chats(task_name: str, count: int) -> tuple[list[list[dict]], list[list[dict]], list[str]]:
+def chats(task_name: str, count: int) -> Chats:
     """``count`` classification chats and extraction chats over the bundled tickets, and the task's labels."""
-    from prefixcache import load_task
-    from prefixcache.bench.workload import ticket_records
-    from prefixcache.task.prompt import input_lead, render_messages
+    from ...task.definition import load_task
+    from ...task.prompt import input_lead, render_messages
+    from ..workload import ticket_records
 
     task = load_task(task_name)
     head, lead = render_messages(task)[:-1], input_lead(task)
     texts = [record.fields["text"] for record in ticket_records(count)]
     classify = [head + [{"role": "user", "content": lead + text}] for text in texts]
     extract = [[{"role": "system", "content": EXTRACT_SYSTEM}, {"role": "user", "content": text}] for text in texts]
-    return classify, extract, list(task.labels)
+    return Chats(classify, extract, list(task.labels))
 
 
-def drive(base_url: str, key: str, messages: list[list[dict]], clients: int, extra: dict, valid) -> tuple[float, list, list, int]:
-    """Send every chat once from ``clients`` closed-loop clients; (seconds, latencies, errors, valid answers)."""
+def drive(base_url: str, key: str, messages: list[list[dict]], clients: int, workload: tuple[str, dict, object]):
+    """Send every chat once from ``clients`` closed-loop clients, with ``workload``'s extra fields and validity
+    check; (seconds, latencies, errors, valid answers)."""
     import openai
 
+    _, extra, valid = workload
     work: queue.SimpleQueue = queue.SimpleQueue()
     for chat in messages:
         work.put(chat)
@@ -148,7 +135,7 @@ def is_json_answer(text: str) -> bool:
     return isinstance(value, dict) and set(value) == set(SCHEMA["properties"])
 
 
-def workloads(args, labels: list[str], peer: bool) -> list[tuple[str, dict, object]]:
+def workloads(labels: list[str], peer: bool) -> list[tuple[str, dict, object]]:
     """(name, the request's extra fields, the validity check) per workload, for prefixcache or the peer."""
     if peer:
         grammar = "root ::= " + " | ".join(json.dumps(label) for label in labels)
@@ -160,76 +147,60 @@ def workloads(args, labels: list[str], peer: bool) -> list[tuple[str, dict, obje
     return [("classification", choose, lambda text: text in labels), ("extraction", schema, is_json_answer)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-class LlamaServer:
-    """llama.cpp's ``llama-server`` with ``--parallel`` slots on a free loopback port."""
-
-    def __init__(self, binary: str, gguf: str, clients: int, threads: int | None, key: str):
-        self.port = free_port()
-        cmd = [binary, "-m", gguf, "--host", HOST, "--port", str(self.port), "--parallel", str(clients),
-               "-c", str(2048 * clients), "--api-key", key, "--log-disable"]
-        if threads:
-            cmd += ["--threads", str(threads)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://{HOST}:{self.port}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.3)
-        self.stop()
-        raise RuntimeError("llama-server never became healthy")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
-def run_server(name: str, start, base_url_of, args, classify, extract, labels, peer: bool) -> list[Result]:
+def run_server(name: str, start, options: PeerOptions, chats: Chats, peer: bool) -> list[Result]:
+    """Start one server (``start(key)``), warm up and time both workloads on it, stop it."""
     key = secrets.token_urlsafe(16)
     print(f"[{name}] starting", flush=True)
     server = start(key)
+    base_url = f"http://{HOST}:{server.port}/v1"
     results = []
     try:
-        for (workload, extra, valid), messages in zip(workloads(args, labels, peer), (classify, extract)):
-            drive(base_url_of(server), key, messages[: args.clients], args.clients, extra, valid)  # warm-up
-            seconds, latencies, errors, ok = drive(base_url_of(server), key, messages, args.clients, extra, valid)
-            result = Result(name, workload, seconds, latencies, ok, errors)
+        for workload, messages in zip(workloads(chats.labels, peer), (chats.classify, chats.extract)):
+            drive(base_url, key, messages[: options.clients], options.clients, workload)  # warm-up
+            seconds, latencies, errors, ok = drive(base_url, key, messages, options.clients, workload)
+            result = Result(name, workload[0], seconds, latencies, ok, errors)
             results.append(result)
-            print(f"[{name}] {workload}: {result.rate:.2f} req/s, p99 {result.percentile(0.99):.2f} s, "
+            print(f"[{name}] {workload[0]}: {result.rate:.2f} req/s, p99 {result.percentile(0.99):.2f} s, "
                   f"{ok}/{len(messages)} valid, {len(errors)} errors", flush=True)
     finally:
         server.stop()
     return results
 
 
-def main() -> int:
-    args = parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    gguf = args.gguf or embedded_gguf()
-    classify, extract, labels = chats(args.task, args.requests)
-    ours = argparse.Namespace(task=args.task, model=gguf if args.gguf else "smollm2-135m", dtype=args.dtype,
-                              clients=args.clients, items_per_request=1, threads=args.threads, max_step_tokens=None)
-    results = run_server("prefixcache", lambda key: Server(ours, 32, key, extra=("--max-queue-per-client", "512")),
-                         lambda s: f"http://{HOST}:{s.port}/v1", args, classify, extract, labels, peer=False)
-    if args.llama_server and Path(args.llama_server).exists():
-        results += run_server("llama-server", lambda key: LlamaServer(args.llama_server, gguf, args.clients, args.threads, key),
-                              lambda s: f"http://{HOST}:{s.port}/v1", args, classify, extract, labels, peer=True)
+def embedded_gguf() -> str:
+    from ...model.load import embedded_gguf
+
+    return str(embedded_gguf(DEFAULT_MODEL))
+
+
+def run_peer(options: PeerOptions) -> bool:
+    """prefixcache, then llama-server (when there is one), on the same chats; the table; True when no request
+    failed."""
+    gguf = options.gguf or embedded_gguf()
+    chosen = chats(options.task, options.requests)
+    ours = Launch(ServedModel(gguf if options.gguf else DEFAULT_MODEL, options.dtype, options.threads), (options.task,), 32,
+                  queue_for(options.clients, 1), extra=("--max-queue-per-client", "512"))
+    results = run_server("prefixcache", lambda key: Server(ours, key), options, chosen, peer=False)
+    binary = found_binary(options.llama_server)
+    if binary:
+        results += run_server("llama-server", lambda key: LlamaServer(binary, gguf, options.clients, options.threads, key),
+                              options, chosen, peer=True)
+    elif options.llama_server:
+        print(f"llama-server lane skipped: {options.llama_server} does not exist (build llama.cpp's llama-server there, "
+              f"or pass another --llama-server)")
     else:
         print("llama-server lane skipped: no llama-server binary (pass --llama-server or set LLAMA_SERVER)")
-    from prefixcache.model.machine import machine_info, machine_name
+    print_table(results, options)
+    if options.json_path:
+        Path(options.json_path).write_text(json.dumps([r.__dict__ | {"rate": r.rate} for r in results], indent=1))
+    return all(not r.errors for r in results)
 
-    print(f"\n{machine_name(machine_info(args.dtype))}; {args.requests} requests per workload, {args.clients} clients, dtype {args.dtype}")
+
+def print_table(results: list[Result], options: PeerOptions) -> None:
+    from ...model.machine import machine_info, machine_name
+
+    print(f"\n{machine_name(machine_info(options.dtype))}; {options.requests} requests per workload, "
+          f"{options.clients} clients, dtype {options.dtype}")
     print("| workload | prefixcache req/s | llama-server req/s | ratio | p99 prefixcache / llama-server | valid |")
     print("|---|---|---|---|---|---|")
     by = {(r.server, r.workload): r for r in results}
@@ -238,12 +209,5 @@ def main() -> int:
         ratio = f"**{a.rate / b.rate:.2f}x**" if b and b.rate else "-"
         peer = f"{b.rate:.2f}" if b else "skipped"
         p99 = f"{a.percentile(0.99):.2f} s / {b.percentile(0.99):.2f} s" if b else f"{a.percentile(0.99):.2f} s / -"
-        valid = f"{a.valid}/{args.requests}" + (f", {b.valid}/{args.requests}" if b else "")
+        valid = f"{a.valid}/{options.requests}" + (f", {b.valid}/{options.requests}" if b else "")
         print(f"| {workload} | {a.rate:.2f} | {peer} | {ratio} | {p99} | {valid} |")
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps([r.__dict__ | {"rate": r.rate} for r in results], indent=1))
-    return 0 if all(not r.errors for r in results) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
