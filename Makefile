@@ -57,7 +57,7 @@ mutants: install
 # The README's quick start, command by command, on the bundled files (CI runs it after `make test`).
 quickstart: install
 	rm -rf prefixcache-out/ray-labels  # a Ray run writes a new folder: the README's Ray line, run again
-	$(BIN)/python scripts/readme_commands.py --run
+	$(BIN)/python tools/readme_commands.py --run
 
 # Every figure in the README and the docs' summary tables comes from a JSON under docs/bench/ (tables.py renders
 # them). `make figures` re-runs the README's own (this 2-core AVX512-BF16 EPYC's), and re-renders the tables;

@@ -1,6 +1,6 @@
 """The README's commands as written: every `prefixcache` line in the README's and the docs' shell blocks parses
 against the real command line (options that exist, values among the choices), and the quick start that CI runs
-(`make quickstart`: scripts/readme_commands.py) covers fit, classify --head, eval, verify, serve with curl and the
+(`make quickstart`: tools/readme_commands.py) covers fit, classify --head, eval, verify, serve with curl and the
 openai client, and the Ray line."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ UsageError = typer.BadParameter.__mro__[1]  # typer's own click (typer._click): 
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("readme_commands", ROOT / "scripts/readme_commands.py")
+    spec = importlib.util.spec_from_file_location("readme_commands", ROOT / "tools/readme_commands.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -53,8 +53,8 @@ def check_command(line: str) -> None:
     group = typer.main.get_command(app)
     ctx = group.make_context("prefixcache", list(words), resilient_parsing=True)
     name, command, rest = group.resolve_command(ctx, words)
-    if hasattr(command, "resolve_command"):
-        name, command, rest = command.resolve_command(ctx, rest)
+    if hasattr(command, "resolve_command") and rest and rest[0] in command.commands:
+        name, command, rest = command.resolve_command(ctx, rest)  # else the group's own options (`loadtest --soak 60`)
     command.make_context(name, list(rest), parent=ctx)  # click consumes the list it is given
     for option, value in zip(rest, rest[1:]):
         allowed = CHOICES_OF.get((name, option), CHOICES.get(option))
@@ -81,6 +81,12 @@ def test_a_documented_command_with_a_wrong_option_or_value_is_caught():
     with pytest.raises(UsageError):
         check_command("prefixcache classify --ray --start-timeout 60 tickets.jsonl")
     check_command("prefixcache cache ls")  # no --cache-dir needed
+    check_command("prefixcache loadtest --soak 600 --clients 32")  # a group's own options
+    check_command("prefixcache loadtest fairness --max-batch 32,8")
+    with pytest.raises(UsageError):
+        check_command("prefixcache loadtest --duration 600")  # the old script's spelling of --soak
+    with pytest.raises(UsageError):
+        check_command("prefixcache loadtest mixed --soak 600")  # the plain lane's option, on another lane
 
 
 def test_the_quick_start_that_ci_runs_covers_every_step():

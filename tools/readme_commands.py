@@ -4,8 +4,8 @@ order, as one bash script from the repository root (CI runs it after ``make test
 A ``python`` block runs through ``.venv/bin/python`` (or this interpreter, with ``--python``); a server started
 in the background with ``&`` is stopped when the script ends, however it ends. Exit status: the script's.
 
-    python scripts/readme_commands.py --list          # the blocks, as they will run
-    python scripts/readme_commands.py --run           # run them (needs the embedded model; a few minutes)
+    python tools/readme_commands.py --list            # the blocks, as they will run
+    python tools/readme_commands.py --run             # run them (needs the embedded model; a few minutes)
 """
 
 from __future__ import annotations
