@@ -23,10 +23,10 @@ from tests.bench.json_keys import MODE_KEYS
 
 TOP_KEYS = {"dtype", "threads", "peak_gflops", "prefix_tokens", "mean_suffix_tokens", "modes", "shape_peaks_gflops",
             "shape_peak_gflops", "shape_peak_rows", "shape_peak_projections"}
-# one decoder layer of conftest's tiny models (hidden 64, 4 heads of 16, 2 KV heads, MLP 128): (name, N, K)
-TINY_PROJECTIONS = [("self_attn.q_proj", 64, 64), ("self_attn.k_proj", 32, 64), ("self_attn.v_proj", 32, 64),
-                    ("self_attn.o_proj", 64, 64), ("mlp.gate_proj", 128, 64), ("mlp.up_proj", 128, 64),
-                    ("mlp.down_proj", 64, 128)]
+# one decoder layer of conftest's tiny models (hidden 64, 4 heads of 16, 2 KV heads, MLP 128) on the lean decoder,
+# whose q/k/v and gate/up projections are fused: (name, N, K)
+TINY_PROJECTIONS = [("self_attn.qkv_proj", 64 + 32 + 32, 64), ("self_attn.o_proj", 64, 64),
+                    ("mlp.gate_up_proj", 2 * 128, 64), ("mlp.down_proj", 64, 128)]
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 
 import torch
-from safetensors.torch import save_model
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 from prefixcache.model.decoder_choice import as_lean
+from prefixcache.model.lean.weights import checkpoint_tensors
 from prefixcache.model.load import LoadedModel, build_random_model
 from prefixcache.task.tokenizer import LeanTokenizer, load_tokenizer
 
@@ -79,7 +80,7 @@ def save_tiny_model(tmp_path_factory, arch: str = "qwen2", loaded: LoadedModel |
     folder = tmp_path_factory.mktemp(f"{loaded.spec}-model")
     if loaded.decoder == "lean":
         (folder / "config.json").write_text(json.dumps(loaded.model.config.raw))
-        save_model(loaded.model, str(folder / "model.safetensors"))
+        save_file(checkpoint_tensors(loaded.model), str(folder / "model.safetensors"))
     else:
         loaded.model.save_pretrained(folder)
     loaded.tokenizer.save_pretrained(folder)

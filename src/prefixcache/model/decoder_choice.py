@@ -54,7 +54,8 @@ def model_folder(source: str) -> Path | None:
 
 
 def as_lean(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers ``model``'s weights (shared, not copied) in the lean decoder.
+    """The transformers ``model``'s weights in the lean decoder (shared, not copied, except the fused q/k/v and
+    gate/up projections, which are stacked copies).
 
     Raises:
         ValueError: the lean decoder does not cover its architecture (the message says why).

@@ -44,8 +44,8 @@ class _GrowingLayer:
         self.values: torch.Tensor | None = None
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys is None:
-            self.keys, self.values = keys, values
+        if self.keys is None:  # contiguous: a layer's keys/values may be views into its fused projection's output
+            self.keys, self.values = keys.contiguous(), values.contiguous()
         else:
             self.keys = torch.cat([self.keys, keys], dim=-2)
             self.values = torch.cat([self.values, values], dim=-2)

@@ -1,7 +1,10 @@
 """The layers of the lean decoder: RMSNorm, attention over the cache the engine hands in, the SiLU-gated MLP.
 
-Parameter names match the Hugging Face checkpoints of the Llama family (``self_attn.q_proj``,
-``mlp.gate_proj``, ``input_layernorm`` ...), so a safetensors file loads by name with no renaming table.
+Parameter names match the Hugging Face checkpoints of the Llama family (``self_attn.o_proj``,
+``mlp.down_proj``, ``input_layernorm`` ...), except for two fused projections: ``self_attn.qkv_proj`` holds
+``q_proj``, ``k_proj`` and ``v_proj`` stacked (one matmul where there were three), and ``mlp.gate_up_proj``
+holds ``gate_proj`` and ``up_proj`` (:data:`FUSED`; :mod:`prefixcache.model.lean.weights` stacks them as it
+loads). A decode step of one row is a few hundred small calls, so each call saved is time saved.
 
 Attention: the layer calls ``cache.update(k, v, layer_idx)`` as the transformers layers do. A fork of a
 stored prefix answers with :class:`~prefixcache.attention.shared_prefix.SharedKV`, which goes straight to
@@ -22,6 +25,12 @@ from ...attention.shared_prefix import SharedKV, shared_prefix_attention
 from .config import LeanConfig
 from .rope import rotate
 
+# fused parameter (module path inside a layer) -> the checkpoint's modules it stacks, in order (dim 0)
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
 
 @dataclass(frozen=True)
 class PassState:
@@ -37,7 +46,8 @@ class PassState:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 and scaled in the input's dtype."""
+    """Root-mean-square norm, computed in float32 and scaled in the input's dtype (torch's fused kernel: one call
+    in float32; in a narrower dtype the normalized value is rounded before the scale, as the reference does)."""
 
     def __init__(self, width: int, eps: float):
         super().__init__()
@@ -45,13 +55,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = x.to(torch.float32)
-        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * wide.to(x.dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.to(torch.float32), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with RoPE, optional q/k/v (and o) biases and optional q/k norms (Qwen3)."""
+    """Grouped-query attention with RoPE, optional q/k/v (and o) biases and optional q/k norms (Qwen3); the q/k/v
+    projections are one fused matmul."""
 
     def __init__(self, config: LeanConfig, layer_idx: int):
         super().__init__()
@@ -59,9 +70,8 @@ class Attention(nn.Module):
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         self.layer_idx = layer_idx
         self.scale = config.attention_multiplier or self.head_dim**-0.5
-        self.q_proj = nn.Linear(width, heads * self.head_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(width, kv_heads * self.head_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(width, kv_heads * self.head_dim, bias=config.attention_bias)
+        self.heads, self.kv_heads = heads, kv_heads
+        self.qkv_proj = nn.Linear(width, (heads + 2 * kv_heads) * self.head_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(heads * self.head_dim, width, bias=config.output_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -69,13 +79,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, state: PassState, cache) -> torch.Tensor:
         """``x`` ``[B, T, H]`` -> ``[B, T, H]``; appends this pass's keys/values to ``cache`` (if any)."""
         batch, width, _ = x.shape
-        q = self.q_proj(x).view(batch, width, -1, self.head_dim)  # [B, T, heads, d]
-        k = self.k_proj(x).view(batch, width, -1, self.head_dim)  # [B, T, kv_heads, d]
-        v = self.v_proj(x).view(batch, width, -1, self.head_dim).transpose(1, 2)  # [B, kv_heads, T, d]
+        qkv = self.qkv_proj(x).view(batch, width, -1, self.head_dim)  # [B, T, heads + 2 kv_heads, d]
+        q, k, v = qkv.split((self.heads, self.kv_heads, self.kv_heads), dim=2)
+        v = v.transpose(1, 2)  # [B, kv_heads, T, d]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = rotate(q.transpose(1, 2), state.cos, state.sin)  # [B, heads, T, d]
-        k = rotate(k.transpose(1, 2), state.cos, state.sin)  # [B, kv_heads, T, d]
+            q = rotate(self.q_norm(q).transpose(1, 2), state.cos, state.sin)  # [B, heads, T, d]
+            k = rotate(self.k_norm(k).transpose(1, 2), state.cos, state.sin)  # [B, kv_heads, T, d]
+        else:  # queries and keys rotated in one go: [B, heads + kv_heads, T, d]
+            q, k = rotate(qkv[:, :, : self.heads + self.kv_heads].transpose(1, 2), state.cos, state.sin).split(
+                (self.heads, self.kv_heads), dim=1)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         if isinstance(k, SharedKV):
@@ -99,17 +111,17 @@ def dense_attention(
 
 
 class MLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``."""
+    """``down(silu(gate(x)) * up(x))``, gate and up one fused matmul."""
 
     def __init__(self, config: LeanConfig):
         super().__init__()
         width, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(width, inner, bias=bias)
-        self.up_proj = nn.Linear(width, inner, bias=bias)
+        self.gate_up_proj = nn.Linear(width, 2 * inner, bias=bias)
         self.down_proj = nn.Linear(inner, width, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, T, inner] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

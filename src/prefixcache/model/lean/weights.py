@@ -3,7 +3,9 @@ plain JSON, weights read straight from safetensors (one ``model.safetensors`` or
 ``model.safetensors.index.json`` lists), the converted copy of an embedded ``.gguf`` or a Hugging Face folder.
 
 The module is built on the ``meta`` device and the tensors are assigned to it, so no random initialisation
-is ever paid for. A tied output head may be stored under either name (the embeddings' or the head's).
+is ever paid for. A tied output head may be stored under either name (the embeddings' or the head's). The
+checkpoint's q/k/v and gate/up projections are stacked into the decoder's fused ones as they load
+(:data:`~prefixcache.model.lean.layers.FUSED`); every other tensor loads by its own name.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from safetensors import safe_open
 
 from .config import LeanConfig, lean_reason
 from .decoder import LeanForCausalLM
+from .layers import FUSED
 
 HEAD, EMBEDDINGS = "lm_head.weight", "model.embed_tokens.weight"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed from the config, never read
@@ -78,12 +81,13 @@ def build_lean(config: LeanConfig, tensors: dict[str, torch.Tensor], eos_token_i
             raise ValueError(f"the weights hold neither {EMBEDDINGS} nor {HEAD}")
     with torch.device("meta"):
         model = LeanForCausalLM(config, eos_token_id)
-    expected = set(model.state_dict()) - ({HEAD} if config.tie_word_embeddings else set())
+    expected = {part for name in model.state_dict() for part in checkpoint_names(name)}
+    expected -= {HEAD} if config.tie_word_embeddings else set()
     missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or extra:
         raise ValueError(f"the weights do not fit the config: missing {missing[:5]}, unexpected {extra[:5]}")
     try:
-        model.load_state_dict(tensors, strict=False, assign=True)
+        model.load_state_dict(fuse_projections(tensors, model.state_dict()), strict=False, assign=True)
     except RuntimeError as exc:
         raise ValueError(f"the weights do not fit the config: {exc}") from None
     if config.tie_word_embeddings:
@@ -91,6 +95,43 @@ def build_lean(config: LeanConfig, tensors: dict[str, torch.Tensor], eos_token_i
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def checkpoint_names(name: str) -> list[str]:
+    """The checkpoint tensors behind the lean model's parameter ``name``: several for a fused projection
+    (``model.layers.0.self_attn.qkv_proj.weight`` -> its ``q_proj``, ``k_proj``, ``v_proj`` weights), else itself."""
+    for fused, parts in FUSED.items():
+        if f".{fused}." in name:
+            return [name.replace(f".{fused}.", f".{part}.") for part in parts]
+    return [name]
+
+
+def fuse_projections(tensors: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
+    """``tensors`` named as in the checkpoint, with each fused projection's parts stacked along the output dim
+    (dim 0) under the fused name; ``names`` are the lean model's parameter names. The parts are not kept."""
+    fused = {}
+    for name in names:
+        parts = checkpoint_names(name)
+        if len(parts) > 1 and all(part in tensors for part in parts):
+            fused[name] = torch.cat([tensors[part] for part in parts], dim=0)  # [sum of N_i, K] or [sum of N_i]
+    used = {part for name in fused for part in checkpoint_names(name)}
+    return {**{k: v for k, v in tensors.items() if k not in used}, **fused}
+
+
+def checkpoint_tensors(model: LeanForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's tensors named and shaped as in a Hugging Face checkpoint of its family (the fused projections
+    split back into their parts; a tied head stored once, as the embeddings), ready for ``safetensors``."""
+    config, tensors = model.config, {}
+    attention = (config.num_attention_heads * config.head_dim, *(2 * (config.num_key_value_heads * config.head_dim,)))
+    sizes = {"self_attn.qkv_proj": attention, "mlp.gate_up_proj": (config.intermediate_size,) * 2}
+    for name, tensor in model.state_dict().items():
+        parts = checkpoint_names(name)
+        fused = next((key for key in FUSED if f".{key}." in name), None)
+        pieces = tensor.split(sizes[fused], dim=0) if fused else (tensor,)
+        tensors.update((part, piece.contiguous()) for part, piece in zip(parts, pieces))
+    if config.tie_word_embeddings:
+        tensors.pop(HEAD, None)
+    return tensors
 
 
 def load_lean(
