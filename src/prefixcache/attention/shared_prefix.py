@@ -73,15 +73,24 @@ class Packing:
     def width(self) -> int:
         return max(self.lengths)
 
+    @functools.cached_property
+    def one_each(self) -> bool:
+        """Every row has exactly one token (a decoding step): unpacking and packing are then views, no copies."""
+        return min(self.lengths) == 1 == max(self.lengths)
+
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """``[1, h, N, ...]`` -> right-padded ``[B, h, T, ...]`` (pads are zeros)."""
         tokens = x[0].transpose(0, 1)  # [N, h, ...]
+        if self.one_each:
+            return tokens.unsqueeze(2)  # [B, h, 1, ...]
         padded = tokens.new_zeros((len(self.lengths) * self.width, *tokens.shape[1:]))
         padded.index_copy_(0, self.slots, tokens)
         return padded.view(len(self.lengths), self.width, *tokens.shape[1:]).transpose(1, 2)
 
     def pack(self, y: torch.Tensor) -> torch.Tensor:
         """Right-padded ``[B, h, T, ...]`` -> ``[1, h, N, ...]`` (pads dropped)."""
+        if self.one_each:
+            return y.squeeze(2).transpose(0, 1)[None]
         tokens = y.transpose(1, 2).reshape(len(self.lengths) * self.width, *y.shape[1:2], *y.shape[3:])
         return tokens.index_select(0, self.slots).transpose(0, 1)[None]
 
