@@ -120,13 +120,13 @@ def lanes(args, dtype: str) -> list[tuple[str, torch.nn.Module, object]]:
     for decoder in ("transformers", "lean"):
         loaded = load_model("smollm2-135m", dtype, args.threads, decoder=decoder)
         out.append((decoder, loaded.model, loaded.tokenizer))
-    if args.int8 and dtype == "bfloat16":
+    if args.int8:
         loaded = load_model("smollm2-135m", dtype, args.threads, decoder="lean")
         out.append(("lean int8", to_int8(loaded.model), loaded.tokenizer))
-    if args.int4 and dtype == "bfloat16":
-        # quantized from the float32 weights (the Q4_1 values exactly), then scales and the rest cast to bfloat16
+    if args.int4:
+        # quantized from the float32 weights (the Q4_1 values exactly), then scales and the rest cast to the dtype
         loaded = load_model("smollm2-135m", "float32", args.threads, decoder="lean")
-        out.append(("lean int4", to_int4(loaded.model).to(torch.bfloat16), loaded.tokenizer))
+        out.append(("lean int4", to_int4(loaded.model).to(getattr(torch, dtype)), loaded.tokenizer))
     if args.compile:
         loaded = load_model("smollm2-135m", dtype, args.threads, decoder="lean")
         loaded.model.model.forward = torch.compile(loaded.model.model.forward, dynamic=True)

@@ -1,5 +1,6 @@
-"""The decode-step benchmark (bench/decode_step.py) decodes exactly what the engine's generate_rows decodes, on the
-lean decoder and on the transformers fallback, so its timings are of the real step."""
+"""The decode-step benchmark (bench/decode_step.py) decodes, through the engine loop's slot pass, exactly what the
+engine's generate_rows decodes, on the lean decoder and on the transformers fallback, so its timings are of the
+real step."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from prefixcache.bench.decode_step import profile_step, time_decode
 from prefixcache.cache.kv import PrefixKV
-from prefixcache.engine.generate import GenerationConfig, generate_rows
+from prefixcache.engine.generate import Decoding, GenerationConfig, generate_rows
 
 from tests.support.models import tiny_loaded
 
@@ -21,7 +22,8 @@ def test_the_timed_steps_decode_what_generate_rows_decodes(decoder):
     timing, tokens = time_decode(loaded.model, prefix, ROWS, steps=3)
     assert timing.batch == 3 and timing.steps == 3 and timing.seconds > 0 and timing.tokens_per_s > 0
     # the prefill's token, the warm-up step's and the 3 timed steps': 5 greedy tokens per row
-    generated, _ = generate_rows(loaded.model, loaded.tokenizer, prefix, ROWS, GenerationConfig(max_new_tokens=5))
+    decoding = Decoding(GenerationConfig(max_new_tokens=5))
+    generated, _ = generate_rows(loaded.model, loaded.tokenizer, prefix, ROWS, decoding)
     assert tokens == [list(g.token_ids) for g in generated]
 
 

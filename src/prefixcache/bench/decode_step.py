@@ -1,5 +1,5 @@
-"""The cost of one greedy decode step, alone: rows continue a stored prefix, one token per row per step, as
-:func:`~prefixcache.engine.generate.generate_rows` runs them (the same ``forward_rows`` call, the output head,
+"""The cost of one greedy decode step, alone: rows continue a stored prefix, one token per row per step, as the
+engine loop runs them (:func:`~prefixcache.engine.slot_pass.forward_slots` over a slot store, the output head,
 an argmax), without stop strings, detokenizing or a grammar, so decoders and dtypes compare on the step alone.
 
 * :func:`time_decode`: ms per step and tokens/s at a batch size, after a prefill and a warm-up step;
@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.kv import PrefixKV
-from ..engine.rows import forward_rows, pad_rows
+from ..cache.kv import KVShape, PrefixKV
+from ..cache.slots import Feed, SlotStore
+from ..engine.slot_pass import forward_slots
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu")
 
@@ -47,31 +48,27 @@ class DecodeTiming:
 
 
 class _Decoder:
-    """Greedy decoding state of ``rows`` after ``prefix``: a fork, each row's mask and next position."""
+    """Greedy decoding state of ``rows`` after ``prefix``: each row's slot in a store and its own tokens so far."""
 
-    def __init__(self, model: torch.nn.Module, prefix: PrefixKV, rows: list[list[int]]):
-        self.model = model
-        device = prefix.keys[0].device
-        ids, mask, lengths = pad_rows(rows, device)  # [B, S]
-        batch = len(rows)
-        self.cache = prefix.fork(batch)
-        past = torch.ones(batch, prefix.length, dtype=torch.bool, device=device)  # [B, P]
-        hidden = forward_rows(model, self.cache, ids, mask, torch.full((batch,), prefix.length, device=device), past)
-        self.next_ids = self._pick(hidden[torch.arange(batch, device=device), lengths - 1])  # [B]
-        self.attention = torch.cat([past, mask], dim=1)  # [B, P + S]
-        self.positions = lengths + prefix.length  # [B]
-        self.tokens: list[torch.Tensor] = [self.next_ids]
+    def __init__(self, model: torch.nn.Module, prefix: PrefixKV, rows: list[list[int]], spare_tokens: int = 256):
+        self.model, self.prefix = model, prefix
+        param = next(model.parameters())
+        longest = max(len(r) for r in rows) + spare_tokens
+        self.store = SlotStore(KVShape.of(model.config), len(rows), longest, param.dtype, param.device)
+        self.slots = [self.store.take() for _ in rows]
+        self.written = [0] * len(rows)
+        self.tokens: list[torch.Tensor] = []
+        self._feed([list(r) for r in rows])
 
-    def _pick(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.get_output_embeddings()(hidden).argmax(-1)  # [B]
+    def _feed(self, rows: list[list[int]]) -> None:
+        feeds = [Feed(slot, start, tuple(ids)) for slot, start, ids in zip(self.slots, self.written, rows)]
+        hidden = forward_slots(self.model, self.prefix, self.store, feeds)  # [B, H]
+        self.written = [start + len(ids) for start, ids in zip(self.written, rows)]
+        self.next_ids = self.model.get_output_embeddings()(hidden).argmax(-1)  # [B]
+        self.tokens.append(self.next_ids)
 
     def step(self) -> None:
-        step_mask = torch.ones(len(self.next_ids), 1, dtype=torch.bool, device=self.next_ids.device)  # [B, 1]
-        hidden = forward_rows(self.model, self.cache, self.next_ids[:, None], step_mask, self.positions, self.attention)
-        self.next_ids = self._pick(hidden[:, -1])
-        self.attention = torch.cat([self.attention, step_mask], dim=1)
-        self.positions = self.positions + 1
-        self.tokens.append(self.next_ids)
+        self._feed([[t] for t in self.next_ids.tolist()])
 
     def generated(self) -> list[list[int]]:
         """Every row's greedy tokens so far."""
