@@ -467,9 +467,9 @@ def collect(args) -> None:
     from prefixcache.scheduler.feature_pass import collect_features
 
     try:
-        from prefixcache.types import Record
+        from prefixcache.types import Record, RunConfig
     except ImportError:  # before the value types moved
-        from prefixcache.scheduler.classify import Record
+        from prefixcache.scheduler.classify import Record, RunConfig
 
     splits = Splits(args.quick)
     args.cache.mkdir(parents=True, exist_ok=True)
@@ -489,13 +489,13 @@ def collect(args) -> None:
         pool = PrefixPool()
         started = time.perf_counter()
         warm = [Record("warm-up", {"text": "hello"})]
-        collect_features(loaded, task, warm, feature=COLLECT_SPEC, batch_size=32, pool=pool)  # prefix build + warm-up
+        collect_features(loaded, task, warm, feature=COLLECT_SPEC, config=RunConfig(batch_size=32), pool=pool)  # prefix build + warm-up
         print(f"  {job}: prefix built and warmed up in {time.perf_counter() - started:.0f} s", flush=True)
         for k in todo[: args.max_chunks]:
             chunk = chunks[k]
             records = [Record(r["id"], {"text": r["text"]}) for r in chunk]
             start = time.perf_counter()
-            fs = collect_features(loaded, task, records, feature=COLLECT_SPEC, batch_size=32, pool=pool)
+            fs = collect_features(loaded, task, records, feature=COLLECT_SPEC, config=RunConfig(batch_size=32), pool=pool)
             seconds = time.perf_counter() - start
             if fs.errors:
                 print(f"  {len(fs.errors)} errors, e.g. {next(iter(fs.errors.items()))}", flush=True)
@@ -866,7 +866,7 @@ def timing(args) -> None:
                 pool = pools.setdefault(task_name, PrefixPool())
                 collect_features(loaded, task, records[:4], feature=args.spec, pool=pool)  # prefix + warm-up
                 started = time.perf_counter()
-                collect_features(loaded, task, records, feature=args.spec, batch_size=32, pool=pool)
+                collect_features(loaded, task, records, feature=args.spec, config=RunConfig(batch_size=32), pool=pool)
                 ms = 1000 * (time.perf_counter() - started) / len(records)
                 prev = out.get(task_name, {}).get("ms_per_record")
                 best = ms if round_ == 0 or prev is None else min(prev, ms)
@@ -889,7 +889,7 @@ def timing(args) -> None:
     clf.classify_all(records, RunConfig("batched", 32))
     classify_s = time.perf_counter() - started
     started = time.perf_counter()
-    fs = collect_features(loaded, task, records, feature=args.spec, batch_size=32, pool=pool)
+    fs = collect_features(loaded, task, records, feature=args.spec, config=RunConfig(batch_size=32), pool=pool)
     features_s = time.perf_counter() - started
     result = fit_head(fs, {t["id"]: t["label"] for t in tickets}, folds=5, seed=SEED)
     out["fit_vs_classify"] = {"rows": rows, "task": "support-tickets", "feature": args.spec, "classify_s": classify_s,

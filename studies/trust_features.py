@@ -84,7 +84,7 @@ def main():
     from prefixcache.model.load import load_model
     from prefixcache.scheduler.feature_pass import collect_features
     from prefixcache.task.definition import load_task
-    from prefixcache.types import Record
+    from prefixcache.types import Record, RunConfig
 
     args.cache.mkdir(parents=True, exist_ok=True)
     loaded = load_model("smollm2-135m", dtype="auto")
@@ -100,7 +100,7 @@ def main():
             part = rows[k:k + CHUNK]
             started = time.perf_counter()
             fs = collect_features(loaded, task, [Record(r["id"], {"text": r["text"]}) for r in part], feature=FEATURE,
-                                  batch_size=32).require_complete()
+                                  config=RunConfig(batch_size=32)).require_complete()
             seconds = time.perf_counter() - started
             np.savez(path, ids=np.array(fs.ids, dtype=object), features=fs.features, prompt=fs.prompt_logprobs,
                      labels=np.array(fs.labels), seconds=seconds)

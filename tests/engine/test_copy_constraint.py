@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from prefixcache.engine.constraint import json_constraint
 from prefixcache.engine.copy_constraint import CopyConstraint, SourceSpans, token_table
-from prefixcache.engine.generate import GenerationConfig, generate_rows
+from prefixcache.engine.generate import Decoding, GenerationConfig, generate_rows
 from prefixcache.engine.json_cursor import JsonCursor, value_tokens
 from prefixcache.engine.rows import empty_prefix
 from prefixcache.engine.sampling import Sampling
@@ -42,7 +42,7 @@ def decode(loaded, sources, seed, copy=True, max_new=40):
     rows = [tokenizer(f"Text: {s}\nAnswer:", add_special_tokens=False)["input_ids"] for s in sources]
     prefix = empty_prefix(loaded.model)
     sampling = Sampling(temperature=1.5, seed=seed)
-    generations, _ = generate_rows(loaded.model, tokenizer, prefix, rows, config, sampling, constraint=constraint)
+    generations, _ = generate_rows(loaded.model, tokenizer, prefix, rows, Decoding(config, sampling, constraint))
     return [json.loads(g.text) for g in generations]
 
 

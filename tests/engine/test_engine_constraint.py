@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from prefixcache.engine.constraint import ANY_OBJECT, json_constraint
-from prefixcache.engine.generate import GenerationConfig, generate_rows
+from prefixcache.engine.generate import Decoding, GenerationConfig, generate_rows
 from prefixcache.engine.rows import empty_prefix
 from prefixcache.engine.sampling import Sampling
 from prefixcache.errors import ConstraintError
@@ -120,7 +120,7 @@ def test_unconstrained_extraction_is_the_free_decoding(tiny_llama, extract_task)
     free = Extractor(tiny_llama, extract_task, max_new_tokens=ROOMY, constrained=False)
     assert free.constraint is None
     rows = suffix_rows(free, TEXTS)
-    plain, _ = generate_rows(tiny_llama.model, tiny_llama.tokenizer, free.prefix, rows, free.generation)
+    plain, _ = generate_rows(tiny_llama.model, tiny_llama.tokenizer, free.prefix, rows, Decoding(free.generation))
     got = free.extract_all(records_from_texts(TEXTS), RunConfig("batched", 9))
     assert [e.token_ids for e in got] == [g.token_ids for g in plain]
     assert any(e.error for e in got), "a random model's free output should fail to parse somewhere"
@@ -135,8 +135,8 @@ def test_any_schema_is_followed_greedy_or_sampled(tiny_llama, extract_task):
     config = GenerationConfig(64, (), extractor.generation.eos_ids)
     for schema in (PERSON, ANY_OBJECT):
         for sampling in (Sampling(), Sampling(temperature=1.0, seed=3, top_logprobs=2)):
-            out, _ = generate_rows(tiny_llama.model, tiny_llama.tokenizer, extractor.prefix, rows, config, sampling,
-                                   constraint=json_constraint(schema))
+            out, _ = generate_rows(tiny_llama.model, tiny_llama.tokenizer, extractor.prefix, rows,
+                                   Decoding(config, sampling, json_constraint(schema)))
             for i, generation in enumerate(out):
                 jsonschema.validate(json.loads(generation.text), schema)
                 assert generation.finish in ("stop", "eos", "length"), (i, generation)
@@ -181,5 +181,5 @@ def test_prefix_is_never_mutated_under_a_constraint(tiny_llama, extract_task):
     assert extractor.prefix.checksum() == before
     empty = empty_prefix(tiny_llama.model)
     out, _ = generate_rows(tiny_llama.model, tiny_llama.tokenizer, empty, [full_ids(extractor, TEXTS[0])],
-                           extractor.generation, constraint=extractor.constraint)
+                           Decoding(extractor.generation, constraint=extractor.constraint))
     assert out[0].token_ids == extractor.extract_all(records_from_texts(TEXTS[:1]), RunConfig("cached", 1))[0].token_ids

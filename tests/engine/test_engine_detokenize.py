@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from prefixcache.engine.detokenize import IncrementalText
-from prefixcache.engine.generate import GenerationConfig, generate_rows
+from prefixcache.engine.generate import Decoding, GenerationConfig, generate_rows
 from prefixcache.scheduler.extract import Extractor
 
 from tests.support.models import make_tokenizer
@@ -86,8 +86,8 @@ def test_each_row_is_decoded_whole_once_not_once_per_token(tiny_llama, extract_t
     rows = [extractor.prompt.encode(tiny_llama.tokenizer, [extractor.prompt.suffix_text({"text": t})])[0].suffix_ids for t in TEXTS[:3]]
     counting = _CountingTokenizer(tiny_llama.tokenizer)
     config = GenerationConfig(24, ("never-seen-stop",))
-    out, _ = generate_rows(tiny_llama.model, counting, extractor.prefix, rows, config)
-    plain, _ = generate_rows(tiny_llama.model, tiny_llama.tokenizer, extractor.prefix, rows, config)
+    out, _ = generate_rows(tiny_llama.model, counting, extractor.prefix, rows, Decoding(config))
+    plain, _ = generate_rows(tiny_llama.model, tiny_llama.tokenizer, extractor.prefix, rows, Decoding(config))
     assert out == plain
     assert sum(len(g.token_ids) for g in out) > 3 * 5, "rows must run several steps for the count to mean anything"
     assert counting.decodes == len(rows), "one whole decode per row, at its end"

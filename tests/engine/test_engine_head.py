@@ -16,7 +16,7 @@ from prefixcache.engine.head_file import check, load_head, save_head, text_hash
 from prefixcache.errors import HeadMismatchError, InputError
 from prefixcache.eval.fit_curve import fit_curve, parse_shots
 from prefixcache.eval.fit_head import fit_head
-from prefixcache.scheduler.classify import Record
+from prefixcache.scheduler.classify import Record, RunConfig
 from prefixcache.scheduler.feature_pass import collect_features
 from prefixcache.task.prompt import build_prompt
 from prefixcache.task.definition import parse_task
@@ -29,7 +29,7 @@ from tests.support.tasks import TASK_YAML
 @pytest.fixture(scope="module")
 def separable(tiny_llama, task):
     records, gold = separable_rows(90, seed=1)
-    features = collect_features(tiny_llama, task, records, feature=FEATURE, batch_size=16)
+    features = collect_features(tiny_llama, task, records, feature=FEATURE, config=RunConfig(batch_size=16))
     assert not features.errors
     return features, gold
 
@@ -40,7 +40,7 @@ def test_a_head_on_separable_rows_is_right_on_every_held_out_row(tiny_llama, tas
     result = fit_head(features, gold, folds=5, on_prompt=on_prompt)
     assert result.cv_metrics is not None and result.cv_metrics.accuracy == 1.0, result.accuracy_by_C
     held_records, held_gold = separable_rows(30, seed=2)
-    held = collect_features(tiny_llama, task, held_records, feature=FEATURE, batch_size=16)
+    held = collect_features(tiny_llama, task, held_records, feature=FEATURE, config=RunConfig(batch_size=16))
     predicted = result.head.predict(held.features, held.prompt_logprobs)
     assert predicted == held_gold, f"held-out accuracy {np.mean(np.array(predicted) == held_gold):.2f}"
     assert (result.head.prompt_scale != 0) == on_prompt
@@ -203,11 +203,11 @@ def test_a_task_file_names_its_head_relative_to_itself(tmp_path):
 
 
 def test_fit_and_score_never_scores_a_fitted_text(tiny_llama, task):
-    from prefixcache.eval.holdout import fit_and_score
+    from prefixcache.eval.holdout import FitPlan, fit_and_score
 
     records, gold = separable_rows(90, seed=4)
     twins = [Record(f"twin-{r.id}", {"text": r.fields["text"] + " !"}) for r in records[:18]]  # same normalized text
-    result = fit_and_score(tiny_llama, task, records + twins, gold + gold[:18], feature=FEATURE, folds=3, seed=0)
+    result = fit_and_score(tiny_llama, task, records + twins, gold + gold[:18], FitPlan(feature=FEATURE, folds=3, seed=0))
     assert result.fitted_rows == 54 and result.scored_rows + result.dropped == 54
     assert result.dropped > 0, "some twins fall on the other side of the split and must not be scored"
     assert result.head.records == result.scored_rows and result.prompt.records == result.scored_rows

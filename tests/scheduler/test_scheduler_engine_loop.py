@@ -99,7 +99,7 @@ def test_generation_equals_the_static_decoder(task):
     config = GenerationConfig(9, (), eos_ids_of(LOADED.model, LOADED.tokenizer))
     rows = [[30 + i for i in range(n)] for n in (3, 9, 1, 5)]
     for want in (Generate(config), Generate(config, Sampling(temperature=0.7, seed=2)), Generate(config, constraint=SCHEMA)):
-        ref, _ = generate_rows(LOADED.model, LOADED.tokenizer, PREFIXES[0], rows, config, want.sampling, constraint=want.constraint)
+        ref, _ = generate_rows(LOADED.model, LOADED.tokenizer, PREFIXES[0], rows, want)  # a Generate is a Decoding
         seqs = [Sequence(PREFIXES[0], r, want) for r in rows]
         EngineLoop(LOADED.model, LOADED.tokenizer, LoopConfig(6, 2)).run_until_done(seqs)
         assert [s.result.token_ids for s in seqs] == [g.token_ids for g in ref]

@@ -23,7 +23,7 @@ from prefixcache.errors import TaskError
 from prefixcache.eval.verify_extract import compare_extractions, verify_extract
 from prefixcache.scheduler.extract import Extractor
 from prefixcache.task.answer import parse_fields
-from prefixcache.engine.generate import GenerationConfig, generate_rows
+from prefixcache.engine.generate import Decoding, GenerationConfig, generate_rows
 from prefixcache.cache.pool import PrefixPool
 from prefixcache.scheduler.classify import Classifier, Record, RunConfig, records_from_texts
 from prefixcache.task.definition import ExtractTask, bundled_task_names, load_any_task, load_task, parse_task
@@ -88,7 +88,7 @@ def test_rows_that_finish_early_leave_the_others_exact(tiny_llama, extract_task)
     stoppers = frozenset({free[0][2], free[3][1]})  # two rows end early, at different steps
     config = GenerationConfig(MAX_NEW, (), stoppers)
     rows = [extractor.prompt.encode(tiny_llama.tokenizer, [extractor.prompt.suffix_text({"text": t})])[0].suffix_ids for t in TEXTS]
-    generations, timing = generate_rows(tiny_llama.model, tiny_llama.tokenizer, extractor.prefix, rows, config)
+    generations, timing = generate_rows(tiny_llama.model, tiny_llama.tokenizer, extractor.prefix, rows, Decoding(config))
     lengths = {len(g.token_ids) for g in generations}
     assert len(lengths) > 1, "the test must make rows finish at different steps"
     for i, (prompt, generation) in enumerate(zip(prompts, generations)):
@@ -101,10 +101,12 @@ def test_rows_that_finish_early_leave_the_others_exact(tiny_llama, extract_task)
 def test_stop_strings_cut_the_text(tiny_llama, extract_task):
     extractor = Extractor(tiny_llama, extract_task)
     rows = [extractor.prompt.encode(tiny_llama.tokenizer, [extractor.prompt.suffix_text({"text": t})])[0].suffix_ids for t in TEXTS[:4]]
-    free, _ = generate_rows(tiny_llama.model, tiny_llama.tokenizer, extractor.prefix, rows, GenerationConfig(MAX_NEW))
+    free, _ = generate_rows(tiny_llama.model, tiny_llama.tokenizer, extractor.prefix, rows,
+                            Decoding(GenerationConfig(MAX_NEW)))
     stop = free[1].text[3:5]
     assert stop, "the free-running text should be long enough to pick a stop string from"
-    cut, _ = generate_rows(tiny_llama.model, tiny_llama.tokenizer, extractor.prefix, rows, GenerationConfig(MAX_NEW, (stop,)))
+    cut, _ = generate_rows(tiny_llama.model, tiny_llama.tokenizer, extractor.prefix, rows,
+                           Decoding(GenerationConfig(MAX_NEW, (stop,))))
     assert cut[1].finish == "stop" and cut[1].text == free[1].text[: free[1].text.find(stop)]
     for a, b in zip(free, cut):
         assert stop not in b.text and a.token_ids[: len(b.token_ids)] == b.token_ids

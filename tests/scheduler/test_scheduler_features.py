@@ -21,8 +21,8 @@ TOL = 1e-4
 @pytest.mark.parametrize("batch", [1, 2, 7])
 def test_batched_features_equal_full_reencoding(tiny, task, texts, feature, batch):
     records = records_from_texts(texts)
-    reference = collect_features(tiny, task, records, feature=feature, mode="full", batch_size=1)
-    candidate = collect_features(tiny, task, records, feature=feature, batch_size=batch)
+    reference = collect_features(tiny, task, records, feature=feature, config=RunConfig("full", 1))
+    candidate = collect_features(tiny, task, records, feature=feature, config=RunConfig(batch_size=batch))
     assert candidate.ids == reference.ids == list(range(len(texts)))
     hidden = tiny.model.config.hidden_size
     assert candidate.features.shape == (len(texts), FeatureSpec.parse(feature).width(hidden))
@@ -46,7 +46,7 @@ def test_features_differ_between_pools_and_layers(tiny_llama, task, texts):
 
 def test_prompt_logprobs_equal_the_classifiers_scores(tiny, task, texts):
     records = records_from_texts(texts)
-    features = collect_features(tiny, task, records, batch_size=4)
+    features = collect_features(tiny, task, records, config=RunConfig(batch_size=4))
     predictions = Classifier(tiny, task, "first-token").classify_all(records, RunConfig("batched", 4))
     expected = np.array([p.scores.logprobs for p in predictions], dtype=np.float32)
     assert features.labels == tuple(task.labels)
@@ -68,8 +68,8 @@ def test_crossing_records_fall_back_to_full_and_match_it(tiny_llama):
     encoded = prompt.encode(tiny_llama.tokenizer, [prompt.suffix_text(r.fields) for r in records])
     assert [e.suffix_ids is None for e in encoded] == [True, False], "the fixture must have one crossing record"
     for feature in ("last", "mean", "last@1"):
-        reference = collect_features(tiny_llama, task, records, feature=feature, mode="full")
-        candidate = collect_features(tiny_llama, task, records, feature=feature, batch_size=2)
+        reference = collect_features(tiny_llama, task, records, feature=feature, config=RunConfig("full"))
+        candidate = collect_features(tiny_llama, task, records, feature=feature, config=RunConfig(batch_size=2))
         assert np.abs(candidate.features - reference.features).max() < TOL, feature
 
 

@@ -22,7 +22,7 @@ from ..model.load import LoadedModel
 from ..scheduler.classify import Classifier
 from ..scheduler.feature_pass import collect_features
 from ..task.definition import Task
-from ..types import LABEL_FIELD, Record
+from ..types import LABEL_FIELD, Record, RunConfig
 from .lanes import Lane, classifier_lane
 
 FIT = "fit"  # ``--head fit``: fit a head on the bench's own records first
@@ -61,7 +61,8 @@ def fit_bench_head(loaded: LoadedModel, task: Task, records: list[Record], batch
         InputError: a record lacks a usable gold label, a label has no record, or a record cannot run.
     """
     gold = gold_labels(records, task)
-    features = collect_features(loaded, task, records, batch_size=batch_size).require_complete("bench record")
+    features = collect_features(loaded, task, records, config=RunConfig(batch_size=batch_size))
+    features = features.require_complete("bench record")
     result = fit_head(features, gold, folds=FIT_FOLDS)
     head = result.head
     head.manifest["task"] = task.name

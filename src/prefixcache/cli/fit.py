@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
@@ -13,6 +14,11 @@ from .loading import load, progress
 from ..types import DEFAULT_FEATURE
 from .options import BatchOpt, DtypeOpt, IdFieldOpt, LabelFieldOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt
 
+if TYPE_CHECKING:  # annotations only: the command imports these when it runs
+    from ..eval.fit_curve import CurvePoint
+    from ..eval.fit_head import FitResult
+    from ..scheduler.feature_pass import FeatureSet
+    from ..task.prompt import Prompt
 
 
 @reported
@@ -51,30 +57,74 @@ def fit(
     With --field: a head for a choice field of an extraction task (used by `extract --head FIELD=FILE`)."""
     from ..engine.features import FeatureSpec
     from ..engine.head_file import save_head
-    from ..eval.evaluate import labelled_records
     from ..eval.fit_curve import parse_shots
-    from ..io import records as data
     from ..task.definition import load_task
+    from ..task.prompt import build_prompt
 
+    job = FitJob(train, label_field, text_field, id_field, task, model, dtype, threads, batch_size, out_path)
     if prompt_only:
-        return fit_prompt_only(train, task, label_field, out_path, text_field, id_field, (model, dtype, threads), batch_size)
+        return fit_prompt_only(job)
     _check_out(out_path, plot if field is None else None)
     if field is not None:
         from .fit_field import fit_field
 
-        return fit_field(train, task, field, out_path, dict(folds=folds, seed=seed, as_json=as_json, text_field=text_field,
-                         id_field=id_field, model=model, dtype=dtype, threads=threads, batch_size=batch_size))
+        return fit_field(job, field, folds, seed, as_json)
     FeatureSpec.parse(feature)  # a bad spec is refused before the model loads
     shots = parse_shots(curve) if curve is not None else None
     spec = load_task(task)
-    rows = labelled_records(data.read_records(train, text_field, id_field), label_field, spec)
-    loaded = load(model, dtype, threads)
+    rows = job.labelled(spec)
+    loaded = job.load()
     features, seconds = _features(loaded, spec, rows.records, feature, batch_size)
-    result, points = _fit(features, rows.gold, folds, on_prompt, seed, shots)
+    fitted = _fit(features, rows.gold, folds, on_prompt, seed, shots)
+    result = fitted.result
     result.head.manifest["task"] = spec.name
     written = save_head(result.head, out_path)
-    _report(result, features, points, spec, loaded, batch_size, 1000 * seconds / len(rows.records), as_json, plot)
+    _report(fitted, build_prompt(spec, loaded.tokenizer), batch_size, 1000 * seconds / len(rows.records), as_json, plot)
     err.print(f"wrote {written} ({len(features.labels)} labels, {features.features.shape[1]} features, fit {result.seconds:.1f} s)")
+
+
+@dataclass(frozen=True)
+class FitJob:
+    """What one ``fit`` reads, with which model and task, and where it writes: the settings a head, a field's
+    head (``--field``) and a calibration file (``--prompt-only``) share, parsed once by the command."""
+
+    train: str  # a file, or - for JSONL on stdin
+    label_field: str  # the gold label's column (a field's head reads the column named as the field)
+    text_field: str
+    id_field: Optional[str]
+    task: str  # a task name or path
+    model: str
+    dtype: str
+    threads: Optional[int]
+    batch_size: int
+    out_path: Optional[Path]
+
+    def read(self):
+        """The training rows as records (lazily)."""
+        from ..io import records as data
+
+        return data.read_records(self.train, self.text_field, self.id_field)
+
+    def labelled(self, spec):
+        """The training rows paired with their gold labels from ``label_field`` (:func:`~prefixcache.eval.evaluate.
+        labelled_records`, which refuses, naming the rows, a missing label or one outside ``spec``'s labels)."""
+        from ..eval.evaluate import labelled_records
+
+        return labelled_records(self.read(), self.label_field, spec)
+
+    def load(self):
+        """The model as ``--model``, ``--dtype`` and ``--threads`` name it."""
+        return load(self.model, self.dtype, self.threads)
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """What one head fit produced: the fit (the head and its cross-validated figures), the features it was fitted
+    on, and the rows-per-label curve (None without ``--curve``)."""
+
+    result: FitResult
+    features: FeatureSet
+    points: Optional[list[CurvePoint]]
 
 
 def _check_out(out_path: Optional[Path], plot: Optional[Path]) -> None:
@@ -89,24 +139,23 @@ def _check_out(out_path: Optional[Path], plot: Optional[Path]) -> None:
         check_plotting()
 
 
-def fit_prompt_only(train, task: str, label_field: str, out_path: Optional[Path], text_field: str, id_field, model_options,
-                    batch_size: int) -> None:
-    """``fit --prompt-only``: the prompt's scores on the rows, one temperature, the calibration file."""
+def fit_prompt_only(job: FitJob) -> None:
+    """``fit --prompt-only``: the prompt's scores on the rows, one temperature, the calibration file (``--out``, else
+    beside the task file)."""
     from ..engine.calibration_file import save_calibration
-    from ..eval.evaluate import labelled_records
     from ..eval.prompt_calibration import calibrate_prompt
-    from ..io import records as data
     from ..scheduler.classify import Classifier
     from ..task.definition import load_task
 
+    out_path, task = job.out_path, job.task
     if out_path is None:
         if not Path(task).is_file():
             raise typer.BadParameter(f"task {task!r} is not a file to write beside: name the calibration file", param_hint="--out")
         out_path = Path(task).with_suffix(".calibration.json")
     output_path(out_path, "--out")
     spec = load_task(task)
-    rows = labelled_records(data.read_records(train, text_field, id_field), label_field, spec)
-    document = calibrate_prompt(Classifier(load(*model_options), spec), rows.records, rows.gold, batch_size)
+    rows = job.labelled(spec)
+    document = calibrate_prompt(Classifier(job.load(), spec), rows.records, rows.gold, job.batch_size)
     save_calibration(document, out_path)
     ece, temperature = document["ece"], document["calibration"]["temperature"]
     out.print(f"prompt accuracy {document['accuracy']:.1%} on {len(rows.gold)} rows; temperature {temperature:.3f}; "
@@ -131,36 +180,39 @@ def _trust_tables(result) -> list:
 def _features(loaded, task, records, feature: str, batch_size: int):
     """Every row's features, with a progress bar; refuses rows that cannot run, naming them."""
     from ..scheduler.feature_pass import collect_features
+    from ..types import RunConfig
 
     started = time.perf_counter()
     with progress(len(records), "features") as bar:
-        features = collect_features(loaded, task, records, feature=feature, batch_size=batch_size, progress=bar.update)
+        features = collect_features(loaded, task, records, feature=feature, config=RunConfig(batch_size=batch_size),
+                                    progress=bar.update)
     return features.require_complete("training row"), time.perf_counter() - started
 
 
-def _fit(features, gold, folds: int, on_prompt: bool, seed: int, shots):
+def _fit(features, gold, folds: int, on_prompt: bool, seed: int, shots) -> Fitted:
+    """The head fitted on ``features`` (``C`` by cross-validation), and the curve over ``shots`` when given."""
     from ..eval.fit_curve import fit_curve
     from ..eval.fit_head import fit_head
 
     err.print(f"fitting a head on {len(gold)} rows ({folds}-fold cross-validation)…")
     result = fit_head(features, gold, folds=folds, on_prompt=on_prompt, seed=seed)
     points = fit_curve(features, gold, shots, seed=seed, folds=folds) if shots else None
-    return result, points
+    return Fitted(result, features, points)
 
 
-def _report(result, features, points, task, loaded, batch_size: int, ms_per_item: float, as_json: bool, plot: Optional[Path]):
-    """Print eval's report of the cross-validated predictions (or the JSON document) and write the plots."""
+def _report(fitted: Fitted, prompt: Prompt, batch_size: int, ms_per_item: float, as_json: bool, plot: Optional[Path]):
+    """Print eval's report of the cross-validated predictions (or the JSON document) and write the plots.
+    ``prompt``: the task's prompt the features were taken through."""
     import json
 
     from ..eval.fit_report import as_eval_result, curve_table, fit_document, fit_table, plot_curve
     from ..eval.report import eval_tables, title
-    from ..task.prompt import build_prompt
 
-    prompt = build_prompt(task, loaded.tokenizer)
+    result, features, points, task = fitted.result, fitted.features, fitted.points, prompt.task
     evaluated = None
     if result.cv_metrics is not None:
-        evaluated = as_eval_result(result, features, task.name, len(prompt.prefix_ids), len(prompt.task.examples),
-                                   batch_size, ms_per_item, prefix_ms=0.0)  # the prefix build is in ms_per_item
+        evaluated = as_eval_result(result, features, prompt, batch_size, ms_per_item,
+                                   prefix_ms=0.0)  # the prefix build is in ms_per_item
     if as_json:
         document = fit_document(result, evaluated, points) if evaluated else {"fit": result.cv_json()}
         print(json.dumps(document))

@@ -4,40 +4,40 @@ field (whether the record holds a value: absent / present), fitted on rows with 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+
 from .errors import err, out
-from .loading import load, progress
+from .loading import progress
 
 
-def fit_field(train: str, task: str, field: str, out_path: Path, options: dict) -> None:
-    """Fit and write a head for ``field`` (its gold values in the column named as the field); print the
-    cross-validated figures. ``options``: folds, seed, as_json, text_field, id_field, model, dtype, threads, batch_size."""
+def fit_field(job, field: str, folds: int, seed: int, as_json: bool) -> None:
+    """Fit and write (to ``job.out_path``) a head for ``field`` (its gold values in the column named as the field);
+    print the cross-validated figures (one JSON object with ``as_json``). ``job`` is the command's
+    :class:`~prefixcache.cli.fit.FitJob`: the rows, the extraction task, the model, the batch size."""
     from ..engine.head_file import save_head
     from ..errors import InputError
     from ..eval.fit_head import fit_head
     from ..eval.fit_report import fit_table
-    from ..io import records as data
     from ..scheduler.field_features import collect_field_features, head_labels
     from ..task.definition import ExtractTask, load_any_task
 
-    spec = load_any_task(task)
+    spec = load_any_task(job.task)
     if not isinstance(spec, ExtractTask):
         raise InputError(f"--field {field}: task {spec.name!r} is a classification task; fit its head without --field")
     labels = head_labels(spec, field)
-    records = list(data.read_records(train, options["text_field"], options["id_field"]))
+    records = list(job.read())
     copy = spec.kind_of(field) == "copy"
     missing = [r.id for r in records if (field not in r.fields if copy else r.fields.get(field) in (None, ""))]
     if missing:
         raise InputError(f"record {missing[0]!r}: no gold value in column {field!r} ({len(missing)} record(s) lack one)")
-    loaded = load(options["model"], options["dtype"], options["threads"])
+    loaded = job.load()
     with progress(len(records), "features") as bar:
-        features = collect_field_features(loaded, spec, field, records, options["batch_size"], bar.update)
+        features = collect_field_features(loaded, spec, field, records, job.batch_size, bar.update)
     features = features.require_complete("training row")
     gold = {r.id: (labels[r.fields[field] not in (None, "")] if copy else str(r.fields[field])) for r in records}
-    result = fit_head(features, gold, folds=options["folds"], seed=options["seed"])
+    result = fit_head(features, gold, folds=folds, seed=seed)
     result.head.manifest.update({"task": spec.name, "field": field})
-    written = save_head(result.head, out_path)
-    if options["as_json"]:
+    written = save_head(result.head, job.out_path)
+    if as_json:
         print(json.dumps({"fit": result.cv_json(), "field": field}))
     else:
         out.print(fit_table(result))

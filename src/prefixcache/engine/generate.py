@@ -61,6 +61,17 @@ class GenerationConfig:
 
 
 @dataclass(frozen=True)
+class Decoding:
+    """How a row decodes: its budget, stop strings and end-of-sequence ids (``config``), how each token is picked
+    (``sampling``: greedy unless it says otherwise), and the grammar its tokens follow (``constraint``: a schema,
+    or one with copy fields bound to each row's source; None decodes freely)."""
+
+    config: GenerationConfig
+    sampling: Sampling = GREEDY
+    constraint: JsonConstraint | CopyConstraint | None = None
+
+
+@dataclass(frozen=True)
 class Generation:
     """One row's output.
 
@@ -145,13 +156,12 @@ def generate_rows(
     tokenizer,
     prefix: PrefixKV,
     rows: Sequence[Sequence[int]],
-    config: GenerationConfig,
-    sampling: Sampling = GREEDY,
+    decoding: Decoding,
     on_token: Callable[[int, int], None] | None = None,
-    constraint: JsonConstraint | CopyConstraint | None = None,
 ) -> tuple[list[Generation], GenerationTiming]:
-    """Decode a continuation of ``prefix + row`` for every row (greedy unless ``sampling`` says otherwise),
-    under ``constraint`` when given (a schema, or one with copy fields bound to each row's source). In ``rows`` order.
+    """Decode a continuation of ``prefix + row`` for every row, as ``decoding`` says (greedy unless its sampling
+    says otherwise; under its constraint when it has one: a copy constraint binds one source per row). In ``rows``
+    order.
 
     ``on_token(row, token_id)`` is called for every generated token as soon as it is chosen (on the
     calling thread), so a caller can stream. The prefix is only read (each call uses its own fork),
@@ -163,7 +173,8 @@ def generate_rows(
     started = time.perf_counter()
     device = prefix.keys[0].device
     batch = len(rows)
-    picker = TokenPicker(sampling, batch, device)
+    config, constraint = decoding.config, decoding.constraint
+    picker = TokenPicker(decoding.sampling, batch, device)
     rules = None if constraint is None else constraint.start(tokenizer, batch, config.eos_ids, config.max_new_tokens)
     ids, mask, lengths = pad_rows(rows, device)  # [B, S], [B, S], [B]
     cache = prefix.fork(batch)

@@ -13,6 +13,7 @@ from typing import Sequence
 from rich.table import Table
 
 from ..scheduler.feature_pass import FeatureSet
+from ..task.prompt import Prompt
 from .evaluate import EvalResult
 from .fit_curve import CurvePoint
 from .fit_head import FitResult
@@ -22,17 +23,18 @@ def _pct(value: float) -> str:
     return f"{100 * value:.1f}%"
 
 
-def as_eval_result(result: FitResult, features: FeatureSet, task: str, prefix_tokens: int, examples: int,
-                   batch_size: int, ms_per_item: float, prefix_ms: float) -> EvalResult:
+def as_eval_result(result: FitResult, features: FeatureSet, prompt: Prompt, batch_size: int, ms_per_item: float,
+                   prefix_ms: float) -> EvalResult:
     """The fit's cross-validated predictions as an :class:`EvalResult`, so ``eval``'s tables and plot render it.
 
-    ``method`` reads ``head:<feature>`` (``head-on-prompt:<feature>`` for a head on the prompt).
+    ``prompt`` is the task's prompt the features were taken through: the report's task name, examples and prefix
+    tokens are its own. ``method`` reads ``head:<feature>`` (``head-on-prompt:<feature>`` for a head on the prompt).
     """
     kind = "head-on-prompt" if result.on_prompt else "head"
     return EvalResult(
-        task=task, model=features.model_identity, dtype=features.dtype, method=f"{kind}:{features.feature}",
-        examples=examples, prefix_tokens=prefix_tokens, batch_size=batch_size, ms_per_item=ms_per_item,
-        cpu_ms_per_item=float("nan"), prefix_ms=prefix_ms, metrics=result.cv_metrics,
+        task=prompt.task.name, model=features.model_identity, dtype=features.dtype, method=f"{kind}:{features.feature}",
+        examples=len(prompt.task.examples), prefix_tokens=len(prompt.prefix_ids), batch_size=batch_size,
+        ms_per_item=ms_per_item, cpu_ms_per_item=float("nan"), prefix_ms=prefix_ms, metrics=result.cv_metrics,
     )
 
 

@@ -1,9 +1,9 @@
 """Fit on part of the labelled rows, score on the rest: the prompt's own labels against a fitted head.
 
 :func:`fit_and_score` collects every row's features in one batched pass, splits the rows once
-(stratified by label), fits a head on one part (:func:`~prefixcache.eval.fit_head.fit_head`) and scores
-the prompt and the head on the other (:func:`fit_then_score`, which also takes two parts made
-elsewhere). A scored row never shares its normalized text with a fitted row
+(stratified by label, as its :class:`FitPlan` says), fits a head on one part
+(:func:`~prefixcache.eval.fit_head.fit_head`) and scores the prompt and the head on the other
+(:func:`fit_then_score`, which also takes two parts made elsewhere). A scored row never shares its normalized text with a fitted row
 (:func:`~prefixcache.engine.head_file.text_hash`): such rows are dropped from the scored part and
 counted, so a duplicated text cannot inflate the head's figure. ``make demo`` prints this.
 
@@ -19,7 +19,7 @@ import numpy as np
 from sklearn.model_selection import train_test_split
 
 from ..scheduler.feature_pass import FeatureSet, collect_features
-from ..types import DEFAULT_FEATURE
+from ..types import DEFAULT_FEATURE, RunConfig
 from .fit_curve import subset
 from .fit_head import FitResult, fit_head
 from .metrics import Metrics, compute_metrics
@@ -43,34 +43,45 @@ class HeldOut:
                 "head_macro_f1": self.head.macro_f1, "C": self.fit.C, "folds": self.fit.folds}
 
 
+@dataclass(frozen=True)
+class FitPlan:
+    """How :func:`fit_and_score` splits the rows and fits the head: the share of rows scored (``held_out``), the
+    seed of the split and of the folds, the feature spec, a head on the prompt's own scores or from scratch
+    (``on_prompt``), and the cross-validation folds that choose its ``C``."""
+
+    held_out: float = 0.5
+    seed: int = 0
+    feature: str = DEFAULT_FEATURE
+    on_prompt: bool = False
+    folds: int = 5
+
+
 def fit_and_score(
     loaded,
     task,
     records: Sequence,
     gold: Sequence[str],
+    plan: FitPlan = FitPlan(),
     *,
-    held_out: float = 0.5,
-    seed: int = 0,
-    feature: str = DEFAULT_FEATURE,
-    on_prompt: bool = False,
-    folds: int = 5,
     batch_size: int = 32,
     progress: Callable[[int], None] | None = None,
 ) -> HeldOut:
-    """Fit on ``1 - held_out`` of ``records`` (stratified by ``gold``), score on the rest.
+    """Fit on ``1 - plan.held_out`` of ``records`` (stratified by ``gold``), score on the rest.
 
     Raises:
         InputError: a record cannot be run (naming it), or a gold label outside the task's labels.
     """
-    features = collect_features(loaded, task, records, feature=feature, batch_size=batch_size, progress=progress)
+    features = collect_features(loaded, task, records, feature=plan.feature, config=RunConfig(batch_size=batch_size),
+                                progress=progress)
     features.require_complete()
     labels = np.array(gold)
-    fitted, scored = train_test_split(np.arange(len(labels)), test_size=held_out, stratify=labels, random_state=seed)
+    fitted, scored = train_test_split(np.arange(len(labels)), test_size=plan.held_out, stratify=labels,
+                                      random_state=plan.seed)
     seen = {features.text_hashes[i] for i in fitted}
     kept = np.array([i for i in scored if features.text_hashes[i] not in seen], dtype=np.int64)
     part, truth = subset(features, kept), list(labels[kept])
     head, result = fit_then_score(subset(features, fitted), list(labels[fitted]), part, truth,
-                                  folds=folds, on_prompt=on_prompt, seed=seed)
+                                  folds=plan.folds, on_prompt=plan.on_prompt, seed=plan.seed)
     order = features.labels
     prompt = [order[j] for j in part.prompt_logprobs.argmax(axis=1)]
     return HeldOut(len(fitted), len(kept), len(scored) - len(kept), compute_metrics(truth, prompt, order), head, result)

@@ -35,7 +35,7 @@ from ..cache.kv import PrefixKV
 from ..cache.pool import PrefixPool
 from ..engine.constraint import grammar_tokenizer, json_constraint
 from ..engine.copy_constraint import CopyConstraint, token_table
-from ..engine.generate import Generation, GenerationConfig, eos_ids_of, generate_rows
+from ..engine.generate import Decoding, Generation, GenerationConfig, eos_ids_of, generate_rows
 from ..engine.sampling import Sampling
 from ..model.load import LoadedModel
 from ..task.answer import answer_schema, parse_fields
@@ -149,7 +149,7 @@ class Extractor(BoundTask):
         if self.copied:  # the copy fields bound to each record's own text
             constraint = CopyConstraint(constraint, self.copied, tuple(self.source_text(it.record) for it in batch))
         generations, timing = generate_rows(
-            self.loaded.model, self.loaded.tokenizer, prefix, rows, self.generation, CONFIDENCE, constraint=constraint
+            self.loaded.model, self.loaded.tokenizer, prefix, rows, Decoding(self.generation, CONFIDENCE, constraint)
         )
         stats.forward_passes += timing.steps
         stats.prefill_tokens += sum(len(it.rows) for it in batch)

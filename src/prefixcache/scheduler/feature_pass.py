@@ -146,22 +146,19 @@ def collect_features(
     records: Iterable,
     *,
     feature: str | FeatureSpec = DEFAULT_FEATURE,
-    batch_size: int = RUN.batch_size,
-    window: int = RUN.window,
+    config: RunConfig = RUN,
     progress: Callable[[int], None] | None = None,
     pool: PrefixPool | None = None,
-    mode: str = RUN.mode,
-    overflow: str = RUN.overflow,
 ) -> FeatureSet:
     """Run ``task``'s prompt over ``records`` (batched over the cached prefix) and keep their features.
 
-    ``mode`` ``full`` re-encodes every prompt (the reference the cached path must equal).
+    ``config`` is classification's own :class:`~prefixcache.types.RunConfig` (mode, batch size, window,
+    overflow policy); mode ``full`` re-encodes every prompt (the reference the cached path must equal).
 
     Raises:
         InputError: ``feature`` is not a valid spec for this model.
     """
     collector = FeatureCollector(loaded, task, feature, pool)
-    config = RunConfig(mode, batch_size, window, overflow)
     rows = collector.collect(records, config, progress)
     return feature_set(rows, loaded, collector.spec, collector.label_rows.labels, collector.prompt.prefix_ids)
 

@@ -93,7 +93,8 @@ def stored_features(
             seen.add(key)
     errors = {}
     if missing:  # nothing missing: no pass at all, not even the prefix's
-        ran = collect_features(loaded, task, missing, feature=spec, batch_size=batch_size, progress=progress)
+        ran = collect_features(loaded, task, missing, feature=spec, config=RunConfig(batch_size=batch_size),
+                               progress=progress)
         store.add(ran.text_hashes, ran.features, ran.prompt_logprobs)
         errors = ran.errors
     if progress is not None:

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Protocol, Sequence as Seq
 
 from ..cache.kv import PrefixKV
-from ..engine.constraint import ConstrainedRows, JsonConstraint
-from ..engine.copy_constraint import CopyConstraint
-from ..engine.generate import GenerationConfig, RowOutput
-from ..engine.sampling import GREEDY, Sampling, TokenPicker
+from ..engine.constraint import ConstrainedRows
+from ..engine.generate import Decoding, RowOutput
+from ..engine.sampling import TokenPicker
 
 
 class Status(enum.Enum):
@@ -64,12 +63,9 @@ class Scores:
 
 
 @dataclass(frozen=True)
-class Generate:
-    """A generating sequence: its own decoding settings (sequences with different ones share steps)."""
-
-    config: GenerationConfig
-    sampling: Sampling = GREEDY
-    constraint: JsonConstraint | CopyConstraint | None = None  # a copy constraint binds one source: this row's
+class Generate(Decoding):
+    """A generating sequence: its own :class:`~prefixcache.engine.generate.Decoding` (sequences with different
+    ones share steps; a copy constraint binds one source: this row's)."""
 
 
 class Sequence:
