@@ -21,6 +21,7 @@ from prefixcache.server.settings import ServerSettings
 from prefixcache.types import RunConfig
 
 ray = pytest.importorskip("ray", reason="the Ray extra is installed by .ci/run; without it its defaults go unchecked")
+from prefixcache.scaleout.job import RayCluster, WorkerSpec  # noqa: E402
 from prefixcache.scaleout.ray import run_ray_classify  # noqa: E402
 
 # Parameters whose CLI meaning differs from the library keyword of the same name.
@@ -35,9 +36,12 @@ SKIP_VALUES = (None, False)  # "not given" defaults carry no value to drift
 def library_defaults() -> dict[str, object]:
     """keyword -> default, over the settings objects and the entry points the CLI calls."""
     found: dict[str, object] = {}
-    for settings in (RunConfig(), PoolConfig(), ServerSettings()):
+    for settings in (RunConfig(), PoolConfig(), ServerSettings(), RayCluster()):
         for f in dataclasses.fields(settings):
             found.setdefault(f.name, getattr(settings, f.name))
+    for f in dataclasses.fields(WorkerSpec):  # its task has no default: the declared defaults of the others
+        if f.default is not dataclasses.MISSING:
+            found.setdefault(f.name, f.default)
     for fn in (scan_records, collect_features, run_ray_classify):
         for name, p in inspect.signature(fn).parameters.items():
             if p.default is not inspect.Parameter.empty:

@@ -34,6 +34,7 @@ else:
     pytest.importorskip("ray.data", reason="Ray is not installed: pip install 'prefixcache[ray]'")
 
 from prefixcache.scaleout.inputs import input_format  # noqa: E402
+from prefixcache.scaleout.job import RayCluster, WorkerSpec  # noqa: E402
 from prefixcache.scaleout.ray import FAIL_ONCE_ENV, run_ray_classify  # noqa: E402
 from prefixcache.scaleout.resources import check_gpus, cpus_per_worker  # noqa: E402
 from prefixcache.scaleout.blocks import ROW, Finisher, prediction_line, record_of  # noqa: E402
@@ -120,7 +121,7 @@ def test_without_ray_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.delitem(sys.modules, "prefixcache.scaleout.ray")
     monkeypatch.setitem(sys.modules, "ray", None)  # makes `import ray` fail as if it were not installed
     with pytest.raises(RayNotInstalledError, match=r"pip install 'prefixcache\[ray\]'"):
-        lazy_run("in.jsonl", None, "support-tickets")
+        lazy_run("in.jsonl", None, WorkerSpec("support-tickets"))
 
 
 def test_one_cpu_stays_free_for_ray_datas_own_tasks():
@@ -225,10 +226,9 @@ def test_two_actors_give_the_local_runs_lines(local_ray, model_dir, task_file, l
     source.write_text("".join(json.dumps(t) + "\n" for t in tickets))
     log: list[str] = []
 
-    summary = run_ray_classify(
-        str(source), tmp_path / "out", task_file, model_dir, workers=2, batch_size=BATCH, id_field="id",
-        dtype="float32", log=log.append, rows_per_call=ROWS_PER_CALL, progress=False,
-    )
+    spec = WorkerSpec(task_file, model_dir, "float32", config=RunConfig(batch_size=BATCH), id_field="id")
+    cluster = RayCluster(workers=2, rows_per_call=ROWS_PER_CALL)
+    summary = run_ray_classify(str(source), tmp_path / "out", spec, cluster, log.append, progress=False)
 
     _assert_same_lines(_ray_lines(summary), _local_lines(local_classifier, source, "text", "id"))
     assert (summary.records, summary.errors, summary.duplicates) == (200, 2, 1)
@@ -250,10 +250,9 @@ def test_a_worker_that_dies_is_retried_and_no_row_is_lost_or_doubled(
         writer.writerows([t["text"]] for t in generate_tickets(120, seed=1))
     fail_marker.unlink()  # arm the fault: the first worker to start its second call dies
 
-    summary = run_ray_classify(
-        str(source), tmp_path / "out", task_file, model_dir, workers=2, batch_size=BATCH, text_field="body",
-        dtype="float32", log=lambda line: None, rows_per_call=ROWS_PER_CALL, progress=False,
-    )
+    spec = WorkerSpec(task_file, model_dir, "float32", config=RunConfig(batch_size=BATCH), text_field="body")
+    cluster = RayCluster(workers=2, rows_per_call=ROWS_PER_CALL)
+    summary = run_ray_classify(str(source), tmp_path / "out", spec, cluster, lambda line: None, progress=False)
 
     assert fail_marker.exists(), "the fault was never injected: no worker reached its second call"
     lines = _ray_lines(summary)
@@ -269,8 +268,8 @@ def test_a_local_run_asking_for_gpus_it_lacks_fails_before_starting_workers(loca
     source = tmp_path / "tickets.jsonl"
     source.write_text('{"text": "refund"}\n')
     with pytest.raises(ResourceError, match="GPU"):
-        run_ray_classify(str(source), tmp_path / "out", task_file, model_dir, workers=1, num_gpus=64,
-                         log=lambda line: None, progress=False)
+        run_ray_classify(str(source), tmp_path / "out", WorkerSpec(task_file, model_dir),
+                         RayCluster(workers=1, num_gpus=64), lambda line: None, progress=False)
     assert not list((tmp_path / "out").glob("part-*.jsonl"))
 
 
@@ -280,7 +279,7 @@ def test_an_error_on_a_worker_reaches_the_caller_as_itself(local_ray, task_file,
     source.write_text('{"text": "refund"}\n')
     # ray_address skips the check on this machine, so the worker itself meets the unknown model
     with pytest.raises(ModelNotFoundError, match="unknown model 'no-such-model'") as caught:
-        run_ray_classify(str(source), tmp_path / "out", task_file, "no-such-model", workers=1, ray_address="auto",
-                         log=lambda line: None, progress=False)
+        run_ray_classify(str(source), tmp_path / "out", WorkerSpec(task_file, "no-such-model"),
+                         RayCluster("auto", workers=1), lambda line: None, progress=False)
     assert "Failed to apply UDF" not in str(caught.value), "Ray's retry note leaked into the message"
     assert not list((tmp_path / "out").glob("part-*.jsonl")), "a failed run leaves no half part"

@@ -233,18 +233,18 @@ def task_with_head(task: str, head: Optional[Path]):
 def classify_on_ray(job: ClassifyJob, cache_dir, ray_address, workers, num_gpus) -> None:
     """``classify --ray``: the job is :func:`prefixcache.scaleout.run_ray_classify`; it prints the summary
     (items/s per worker and in total) through ``log``, on standard error, and the exit code follows its errors."""
-    from ..scaleout import run_ray_classify
+    from ..scaleout import RayCluster, WorkerSpec, run_ray_classify
     from ..model.catalog import DTYPE_CHOICES
 
     def log(line: str) -> None:
         err.print(line, markup=False, highlight=False, soft_wrap=True)  # unwrapped: the summary is a table
 
     config = job.config
-    summary = run_ray_classify(
-        job.input, job.out_path, job.task, job.model, workers, ray_address, num_gpus, config.batch_size, job.text_field,
-        job.id_field, choice(job.dtype, DTYPE_CHOICES, "--dtype"), job.threads, log,
-        method=choice(job.method, METHODS, "--method"), mode=config.mode.value, overflow=config.overflow,
-        cache_dir=cache_dir,
+    spec = WorkerSpec(
+        job.task, job.model, choice(job.dtype, DTYPE_CHOICES, "--dtype"), job.threads,
+        choice(job.method, METHODS, "--method"), RunConfig(config.mode, config.batch_size, overflow=config.overflow),
+        job.text_field, job.id_field, cache_dir,
     )
+    summary = run_ray_classify(job.input, job.out_path, spec, RayCluster(ray_address, workers, num_gpus), log)
     if summary.errors:
         raise typer.Exit(1)

@@ -5,12 +5,17 @@
 
 Importing this package imports no Ray; :mod:`.inputs`, :mod:`.blocks`, :mod:`.sink`
 and :mod:`.summary` need none either, so they are tested and used without a
-cluster. :func:`run_ray_classify` here imports Ray only when called.
+cluster. :func:`run_ray_classify` here imports Ray only when called; its two settings
+objects, :class:`~prefixcache.scaleout.job.WorkerSpec` (what each worker runs) and
+:class:`~prefixcache.scaleout.job.RayCluster` (where), are importable from here without it.
 """
 
 from __future__ import annotations
 
 from ..errors import RayNotInstalledError, setting
+from .job import RayCluster, WorkerSpec
+
+__all__ = ["RayCluster", "RayNotInstalledError", "WorkerSpec", "run_ray_classify"]
 
 
 def run_ray_classify(*args, **kwargs):

@@ -81,6 +81,8 @@ def local_ray(setup: RayBench, source: Path, workers: int, log: Callable[[str], 
     """A local Ray of ``setup.cores`` CPUs and ``workers`` actors classifying the JSONL file ``source``."""
     import ray
 
+    from ..types import RunConfig
+    from .job import RayCluster, WorkerSpec
     from .ray import run_ray_classify
 
     threads = max(1, setup.cores // workers)
@@ -89,9 +91,9 @@ def local_ray(setup: RayBench, source: Path, workers: int, log: Callable[[str], 
     ray_init = time.perf_counter() - started
     try:
         with tempfile.TemporaryDirectory() as out:
-            summary = run_ray_classify(str(source), out, setup.task, setup.model, workers=workers,
-                                       batch_size=setup.batch_size, id_field="id", dtype=setup.dtype, threads=threads,
-                                       log=log, progress=False)
+            spec = WorkerSpec(setup.task, setup.model, setup.dtype, threads, config=RunConfig(batch_size=setup.batch_size),
+                              id_field="id")
+            summary = run_ray_classify(str(source), out, spec, RayCluster(workers=workers), log, progress=False)
             lines = [line for part in summary.parts for line in open(part, encoding="utf-8")]
     finally:
         ray.shutdown()

@@ -37,7 +37,7 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -46,11 +46,10 @@ import ray
 import ray.data
 
 from ..errors import InputError, PrefixCacheError
-from ..model.load import DEFAULT_MODEL, load_model, local_source
-from ..scheduler.classify import Classifier, RunConfig
-from ..task.definition import Task, load_task
-from ..types import DEFAULT_WORKERS, TEXT_FIELD
+from ..model.load import load_model, local_source
+from ..scheduler.classify import Classifier
 from .inputs import absolute, block_bytes, input_format
+from .job import RayCluster, WorkerSpec
 from .resources import check_gpus, cpus_per_worker
 from .blocks import ROW, Finisher, prediction_line, record_of
 from .session import data_context, domain_error, ray_session
@@ -65,32 +64,6 @@ Log = Callable[[str], None]
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What every worker builds once, shipped to the actors by value.
-
-    Attributes:
-        task: the validated Task (loaded on the driver, so a task YAML needs to exist only there).
-        model: a ``--model`` spec, resolved on each worker: an embedded name (the package must be
-            installed on every node), a ``.gguf`` or folder path that exists on every node, or a
-            Hugging Face id in every node's cache.
-        threads: torch threads per worker; also the CPUs Ray reserves for it.
-        config: how the worker's classifier runs each batch it is handed.
-        cache_dir: the prefix disk tier, a folder every worker can reach; None computes the
-            prefix once per worker.
-    """
-
-    task: Task
-    model: str = DEFAULT_MODEL
-    dtype: str = "auto"
-    threads: int = 1
-    method: str = "auto"
-    config: RunConfig = field(default_factory=RunConfig)
-    text_field: str = TEXT_FIELD
-    id_field: str | None = None
-    cache_dir: str | None = None
 
 
 def prefix_pool(cache_dir: str | None):
@@ -192,41 +165,34 @@ def _fail_once_if_asked(calls_done: int) -> None:
 
 
 def classify_dataset(
-    ds: ray.data.Dataset,
-    spec: WorkerSpec,
-    workers: int,
-    num_gpus: float = 0,
-    rows_per_call: int | None = None,
-    max_restarts: int | None = None,
-    max_task_retries: int | None = None,
-    num_cpus: float | None = None,
+    ds: ray.data.Dataset, spec: WorkerSpec, cluster: RayCluster, num_cpus: float | None = None
 ) -> ray.data.Dataset:
-    """``ds`` mapped through a pool of ``workers`` :class:`PrefixClassifier` actors (lazy, like any map).
+    """``ds`` mapped through a pool of ``cluster.workers`` :class:`PrefixClassifier` actors (lazy, like any map).
 
     Each actor reserves ``num_cpus`` CPUs (default ``spec.threads``; see :func:`cpus_per_worker`)
-    and ``num_gpus`` GPUs, and is handed
-    ``rows_per_call`` rows at a time (default: 4 x the batch size, so the classifier can sort
-    them by length into batches).
+    and ``cluster.num_gpus`` GPUs, and is handed
+    ``cluster.rows_per_call`` rows at a time (default: 4 x the batch size, so the classifier can sort
+    them by length into batches). ``spec`` is shipped as it is: pass a :meth:`WorkerSpec.resolved` one.
 
     A dead actor is restarted and the call lost with it retried: without limit by default (Ray
-    Data's own defaults), or at most ``max_restarts`` / ``max_task_retries`` times when given
+    Data's own defaults), or at most ``cluster.max_restarts`` / ``cluster.max_task_retries`` times when given
     (Ray 2.60 warns that these two are deprecated map_batches arguments; they are passed only
     when set).
     """
-    if workers < 1:
+    if cluster.workers < 1:
         raise ValueError("workers must be at least 1")
-    rows_per_call = rows_per_call or 4 * spec.config.batch_size
-    extra: dict = {"num_gpus": num_gpus} if num_gpus else {}
-    if max_restarts is not None:
-        extra["max_restarts"] = max_restarts
-    if max_task_retries is not None:
-        extra["max_task_retries"] = max_task_retries
+    rows_per_call = cluster.rows_per_call or 4 * spec.config.batch_size
+    extra: dict = {"num_gpus": cluster.num_gpus} if cluster.num_gpus else {}
+    if cluster.max_restarts is not None:
+        extra["max_restarts"] = cluster.max_restarts
+    if cluster.max_task_retries is not None:
+        extra["max_task_retries"] = cluster.max_task_retries
     return ds.map_batches(
         PrefixClassifier,
         fn_constructor_args=(spec,),
         batch_size=rows_per_call,
         batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=workers),
+        compute=ray.data.ActorPoolStrategy(size=cluster.workers),
         num_cpus=spec.threads if num_cpus is None else num_cpus,
         **extra,
     )
@@ -253,36 +219,21 @@ def read_input(source: str, fmt: str, text_columns: tuple[str, ...] = ()) -> ray
 def run_ray_classify(
     input: str,
     out_dir: str | Path | None,
-    task: str | Task,
-    model: str = DEFAULT_MODEL,
-    workers: int = DEFAULT_WORKERS,
-    ray_address: str | None = None,
-    num_gpus: float = 0,
-    batch_size: int = 32,
-    text_field: str = TEXT_FIELD,
-    id_field: str | None = None,
-    dtype: str = "auto",
-    threads: int | None = None,
+    spec: WorkerSpec,
+    cluster: RayCluster = RayCluster(),
     log: Log = _stderr,
     *,
-    method: str = "auto",
-    mode: str = "batched",
-    overflow: str = "error",
-    cache_dir: str | Path | None = None,
-    rows_per_call: int | None = None,
     rows_per_part: int = 100_000,
     progress: bool = True,
-    max_restarts: int | None = None,
-    max_task_retries: int | None = None,
-    start_timeout_s: int = 900,
 ) -> RaySummary:
-    """Classify ``input`` on ``workers`` Ray actors; write JSONL parts to ``out_dir`` (None: stdout).
+    """Classify ``input`` on ``cluster.workers`` Ray actors, each building what ``spec`` says; write JSONL parts
+    of ``rows_per_part`` lines to ``out_dir`` (None: stdout).
 
     Lines come out in input order and equal a local ``classify`` run's (ids, labels, scores).
-    ``threads`` is per worker (default 1; a GPU worker needs few). Without ``ray_address`` the
+    ``spec.threads`` is per worker (default 1; a GPU worker needs few). Without ``cluster.address`` the
     workers share this machine, so the model is resolved here first: a ``.gguf`` is converted
     once, not once per worker, and a model that is not here fails before Ray starts. An
-    already initialized Ray is used as it is (``ray_address`` then only decides that check).
+    already initialized Ray is used as it is (``cluster.address`` then only decides that check).
 
     Returns the :class:`RaySummary` (also written to ``out_dir/summary.json`` and logged).
 
@@ -290,23 +241,18 @@ def run_ray_classify(
         InputError, TaskError, ModelNotFoundError, ...: any PrefixCacheError, also one raised on
             a worker, unwrapped from Ray's error.
     """
-    spec = WorkerSpec(
-        task if isinstance(task, Task) else load_task(task), absolute(model), dtype, threads or 1, method,
-        RunConfig(mode, batch_size, overflow=overflow), text_field, id_field,
-        absolute(str(cache_dir)) if cache_dir else None,
-    )
-    source, fmt = _checked_input(input, spec, local=ray_address is None)
+    spec = spec.resolved()
+    source, fmt = _checked_input(input, spec, local=cluster.address is None)
     writer = PartWriter(out_dir, rows_per_part) if out_dir is not None else StdoutWriter()
-    finisher, tally = Finisher(input, id_field), Tally()
-    cluster = _Cluster(ray_address, num_gpus, workers, rows_per_call, max_restarts, max_task_retries, start_timeout_s)
+    driver = _Driver(Finisher(input, spec.id_field), writer, Tally(), progress)
     try:
-        errors, wall, first_row = _run_job(source, fmt, spec, cluster, finisher, writer, tally, progress, log)
+        errors, wall, first_row = _run_job(source, fmt, spec, cluster, driver, log)
     except BaseException:
         writer.abort()
         raise
     summary = RaySummary(
-        finisher.rows, errors, finisher.duplicates, wall, first_row, workers, tuple(tally.workers.values()),
-        tuple(str(p) for p in writer.parts),
+        driver.finisher.rows, errors, driver.finisher.duplicates, wall, first_row, cluster.workers,
+        tuple(driver.tally.workers.values()), tuple(str(p) for p in writer.parts),
     )
     _finish(writer, summary, out_dir, log)
     return summary
@@ -335,21 +281,19 @@ def _checked_input(input: str, spec: WorkerSpec, local: bool) -> tuple[str, str]
 
 
 @dataclass(frozen=True)
-class _Cluster:
-    """Where and how the workers run (the arguments of :func:`run_ray_classify` of that name)."""
+class _Driver:
+    """What the driver does with the rows that come back: finish each line (ids, repeats), write it, count it
+    per worker, and show a progress bar (when ``progress``)."""
 
-    address: str | None
-    num_gpus: float
-    workers: int
-    rows_per_call: int | None
-    max_restarts: int | None
-    max_task_retries: int | None
-    start_timeout_s: int
+    finisher: Finisher
+    writer: object  # a PartWriter or a StdoutWriter
+    tally: Tally
+    progress: bool
 
 
-def _run_job(source: str, fmt: str, spec: WorkerSpec, cluster: _Cluster, finisher: Finisher, writer, tally: Tally,
-             progress: bool, log: Log) -> tuple[int, float, float]:
-    """Start (or join) Ray, classify the input on the workers and drain it into ``writer``.
+def _run_job(source: str, fmt: str, spec: WorkerSpec, cluster: RayCluster, driver: _Driver,
+             log: Log) -> tuple[int, float, float]:
+    """Start (or join) Ray, classify the input on the workers and drain it through ``driver``.
 
     Returns the error lines, the wall seconds, and the seconds until the first row arrived.
     """
@@ -362,15 +306,13 @@ def _run_job(source: str, fmt: str, spec: WorkerSpec, cluster: _Cluster, finishe
         if num_cpus < spec.threads:
             log(f"ray: reserving {num_cpus:g} CPU per worker (each still runs {spec.threads} thread(s)) "
                 "so that one CPU stays free for Ray Data's own tasks")
-        ds = read_input(source, fmt, text_columns)
-        ds = classify_dataset(ds, spec, cluster.workers, cluster.num_gpus, cluster.rows_per_call, cluster.max_restarts,
-                              cluster.max_task_retries, num_cpus)
-        errors, first = _drain(ds, finisher, writer, tally, progress)
+        ds = classify_dataset(read_input(source, fmt, text_columns), spec, cluster, num_cpus)
+        errors, first = _drain(ds, driver)
         wall = time.perf_counter() - started
     return errors, wall, (first or time.perf_counter()) - started
 
 
-def _drain(ds: ray.data.Dataset, finisher: Finisher, writer, tally: Tally, progress: bool) -> tuple[int, float | None]:
+def _drain(ds: ray.data.Dataset, driver: _Driver) -> tuple[int, float | None]:
     """Run the dataset, writing each row's final line in order.
 
     Returns the number of error lines and when (``perf_counter``) the first row arrived.
@@ -378,14 +320,14 @@ def _drain(ds: ray.data.Dataset, finisher: Finisher, writer, tally: Tally, progr
     from tqdm import tqdm
 
     errors, first = 0, None
-    bar = tqdm(desc="classify [ray]", unit="rec", file=sys.stderr, dynamic_ncols=True, disable=not progress)
+    bar = tqdm(desc="classify [ray]", unit="rec", file=sys.stderr, dynamic_ncols=True, disable=not driver.progress)
     try:
         for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             first = first or time.perf_counter()
             for row in block.select(list(OUTPUT_COLUMNS)).to_pylist():
-                line, failed = finisher.finish(row["prediction"], row["id"], row["error"])
-                writer.write(line)
-                tally.add(row)
+                line, failed = driver.finisher.finish(row["prediction"], row["id"], row["error"])
+                driver.writer.write(line)
+                driver.tally.add(row)
                 errors += failed
             bar.update(block.num_rows)
     except Exception as exc:
