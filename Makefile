@@ -34,10 +34,12 @@ browser:
 test: install browser
 	$(BIN)/python -m pytest
 
-# Everything but the embedded model, Ray, Chromium and the slow tests (markers: pyproject.toml, docs/testing.md).
+# Everything but the embedded model, Ray, Chromium and the slow tests (markers: pyproject.toml, docs/testing.md),
+# on two pytest-xdist workers of one torch thread each (every core busy, none oversubscribed).
 FAST := not slow and not embedded and not ray and not browser
+FAST_WORKERS ?= 2
 test-fast: install
-	$(BIN)/python -m pytest -m "$(FAST)"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(FAST_WORKERS) -m "$(FAST)"
 
 # Mutation testing (slow; NOT part of `make test`). What it mutates and which tests it runs: [tool.mutmut] in
 # pyproject.toml; results and the judged survivors: docs/testing.md.
