@@ -31,15 +31,16 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) || \
 	  echo "could not install chromium: the web-page test will be skipped (and say so)"
 
+# Both run on TEST_WORKERS pytest-xdist workers of one torch thread each (every core busy, none oversubscribed);
+# TEST_WORKERS=0 runs them in this one process.
+TEST_WORKERS ?= 2
 test: install browser
-	$(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS)
 
-# Everything but the embedded model, Ray, Chromium and the slow tests (markers: pyproject.toml, docs/testing.md),
-# on two pytest-xdist workers of one torch thread each (every core busy, none oversubscribed).
+# Everything but the embedded model, Ray, Chromium and the slow tests (markers: pyproject.toml, docs/testing.md).
 FAST := not slow and not embedded and not ray and not browser
-FAST_WORKERS ?= 2
 test-fast: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(FAST_WORKERS) -m "$(FAST)"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "$(FAST)"
 
 # Mutation testing (slow; NOT part of `make test`). What it mutates and which tests it runs: [tool.mutmut] in
 # pyproject.toml; results and the judged survivors: docs/testing.md.
