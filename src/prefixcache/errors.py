@@ -83,7 +83,13 @@ class VerificationError(PrefixCacheError):
 
 
 class PoolBudgetError(PrefixCacheError):
-    """A prefix cannot fit in the prefix pool's byte budget (alone, or beside the pinned prefixes)."""
+    """A prefix cannot fit in the prefix pool's byte budget (alone, or beside the pinned prefixes and the bytes
+    reserved in it)."""
+
+
+class PoolReservationError(PoolBudgetError):
+    """Bytes kept outside the prefix pool's entries (an engine loop's slot store) cannot be reserved in its byte
+    budget: they are more than the budget less the pinned prefixes and the other reservations."""
 
 
 class CacheStoreError(PrefixCacheError):

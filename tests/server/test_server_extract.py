@@ -16,6 +16,7 @@ from importlib import resources
 import pytest
 
 from prefixcache.scheduler.extract import Extractor
+from prefixcache.cache.kv import KVShape
 from prefixcache.cache.pool import PoolConfig, PrefixPool
 from prefixcache.scheduler.classify import Classifier, Record, RunConfig
 from prefixcache.server import ServerSettings
@@ -198,11 +199,14 @@ def test_settings_default_budget_is_the_pools():
 
 
 def test_pool_metrics_evictions_and_budget(loaded, task, extract_task):
-    """A budget that holds one prefix at a time: tasks evict each other and are rebuilt on use, exactly."""
+    """A budget that holds one prefix at a time (and the extraction's one slot, which counts in the same budget):
+    tasks evict each other and are rebuilt on use, exactly."""
     pool = PrefixPool()
     classify_bytes = pool.size_of(loaded, len(Classifier(loaded, task).prompt.prefix_ids))
     extract_bytes = pool.size_of(loaded, len(Extractor(loaded, extract_task).prompt.prefix_ids))
-    budget = max(classify_bytes, extract_bytes)
+    one_slot = KVShape.of(loaded.model.config).nbytes(64, 4)  # an item's own tokens here fit one 64-token slot
+    budget = max(classify_bytes, extract_bytes) + one_slot
+    assert min(classify_bytes, extract_bytes) > one_slot, "the budget must not hold both prefixes"
     records = [Record(0, {"text": "refund my money"}), Record(1, {"text": "crash"})]
     reference = Classifier(loaded, task).classify_all(records, RunConfig("cached", 1))
 
@@ -236,6 +240,8 @@ def test_pool_metrics_evictions_and_budget(loaded, task, extract_task):
     assert metric(samples, "prefixcache_pool_hits_total") == 1
     assert metric(samples, "prefixcache_pool_evictions_total") == 3
     assert metric(samples, "prefixcache_pool_bytes") == extract_bytes <= budget
+    reserved = metric(samples, "prefixcache_pool_reserved_bytes")  # the extraction's slot store, in the same budget
+    assert one_slot <= reserved and extract_bytes + reserved <= budget
     assert metric(samples, "prefixcache_pool_budget_bytes") == budget
     assert metric(samples, "prefixcache_pool_entries") == 1 and metric(samples, "prefixcache_pool_pinned") == 0
     assert metric(samples, "prefixcache_pool_prefill_tokens_saved_total") > 0

@@ -14,10 +14,15 @@ taking the cheapest way to it:
 4. **computed**: the whole prefix runs through the model.
 
 The budget is never exceeded: before anything is computed, the entry's exact
-size is checked (a prefix larger than the budget, or than what pins leave,
-raises :class:`~prefixcache.errors.PoolBudgetError`), and unpinned entries are
+size is checked (a prefix larger than the budget, or than what pins and reservations
+leave, raises :class:`~prefixcache.errors.PoolBudgetError`), and unpinned entries are
 evicted in the policy's order (:data:`POLICIES`) until it fits. Pinned entries
 are never evicted.
+
+The budget also bounds bytes kept outside the entries: an owner (the engine loop's slot store)
+reserves its bytes (:meth:`~PrefixPool.reserve`, which evicts unpinned entries to make room) and
+gives them back when it drops them (:meth:`~PrefixPool.release`). So
+``bytes_held + bytes_reserved <= budget`` after every call.
 
 ``bytes_held`` counts what the pool stores. A float entry is handed out by
 reference (no copy); an int8 entry is dequantized into a transient float copy
@@ -42,7 +47,7 @@ from typing import Sequence
 
 import torch
 
-from ..errors import CacheStoreError, PoolBudgetError, setting
+from ..errors import CacheStoreError, PoolBudgetError, PoolReservationError, setting
 from ..model.load import LoadedModel
 from .config import PoolConfig, format_bytes
 from .disk import DiskStore, Expected
@@ -90,6 +95,7 @@ class PrefixPool:
         self.storage: KVStorage = STORAGES[config.storage]()
         self._policy: EvictionPolicy = POLICIES[config.eviction]()
         self._entries: dict[str, _Entry] = {}
+        self._reserved: dict[str, int] = {}  # owner -> bytes it keeps outside the entries (reserve)
         self._count = _Counters()
         self._lock = threading.RLock()
 
@@ -97,7 +103,13 @@ class PrefixPool:
 
     @property
     def bytes_held(self) -> int:
+        """Bytes of the held entries (the prefixes)."""
         return sum(e.nbytes for e in self._entries.values())
+
+    @property
+    def bytes_reserved(self) -> int:
+        """Bytes reserved by owners outside the entries (:meth:`reserve`); they count in the budget."""
+        return sum(self._reserved.values())
 
     def __contains__(self, key: PrefixKey) -> bool:
         return key.digest in self._entries
@@ -118,6 +130,7 @@ class PrefixPool:
                 c.hits, c.misses, c.evictions, len(self._entries), sum(e.pinned for e in entries), self.bytes_held,
                 self.config.budget_bytes, sum(e.float_bytes for e in entries), c.saved, c.computed, c.disk_loads,
                 c.disk_writes, c.disk_rejected, c.partial_reuses, self.config.storage, self.config.eviction,
+                self.bytes_reserved,
             )
 
     def size_of(self, loaded: LoadedModel, tokens: int) -> int:
@@ -207,6 +220,49 @@ class PrefixPool:
                 self._policy.remove(digest)
             self._entries.clear()
 
+    # -- bytes kept outside the entries ---------------------------------------
+
+    def reserve(self, owner: str, nbytes: int) -> None:
+        """Count ``nbytes`` that ``owner`` keeps outside the entries (an engine loop's slot store) in the budget,
+        in place of what ``owner`` reserved before (so a store that grows or is made again reserves its new size).
+
+        Modifies the pool: ``owner``'s reservation, and evicts unpinned entries in the policy's order (counted in
+        ``evictions``) until the entries and every reservation fit in the budget. Raises before changing anything.
+
+        Raises:
+            PoolReservationError: ``nbytes`` is more than the budget less the pinned entries and the other owners'
+                reservations (evicting every unpinned entry would not make room).
+            ValueError: ``nbytes`` is negative.
+        """
+        if nbytes < 0:
+            raise ValueError(f"a reservation is a byte count, got {nbytes}")
+        with self._lock:
+            others = self.bytes_reserved - self._reserved.get(owner, 0)
+            pinned = self._pinned_bytes()
+            if pinned + others + nbytes > self.config.budget_bytes:
+                raise PoolReservationError(
+                    f"{owner} needs {format_bytes(nbytes)} of the {format_bytes(self.config.budget_bytes)} "
+                    f"{setting('cache_budget')}, but pinned prefixes hold {format_bytes(pinned)} and other "
+                    f"reservations {format_bytes(others)}; raise {setting('cache_budget')}, unpin a task (pin: false), "
+                    "or shorten the sequences (fewer tokens of their own, a lower max_new_tokens)"
+                )
+            self._reserved.pop(owner, None)
+            self._make_room(nbytes)
+            if nbytes:
+                self._reserved[owner] = nbytes
+
+    def release(self, owner: str) -> None:
+        """Give ``owner``'s reservation back to the budget (nothing when it holds none). Modifies only that."""
+        with self._lock:
+            self._reserved.pop(owner, None)
+
+    def room(self, owner: str) -> int:
+        """Bytes ``owner`` could reserve now without evicting anything: the budget less the held entries and the
+        other owners' reservations (``owner``'s own counts as free)."""
+        with self._lock:
+            others = self.bytes_reserved - self._reserved.get(owner, 0)
+            return max(0, self.config.budget_bytes - self.bytes_held - others)
+
     # -- steps of get --------------------------------------------------------
 
     def _hit(self, entry: _Entry, pin: bool, started: float, loaded: LoadedModel) -> Lookup:
@@ -227,12 +283,16 @@ class PrefixPool:
                 f"{format_bytes(budget)}; raise {setting('cache_budget')}, use {setting('kv_storage', 'int8')}, "
                 "or shorten the task's instruction and examples"
             )
-        pinned = sum(e.nbytes for e in self._entries.values() if e.pinned)
-        if pinned + need > budget:
+        pinned, reserved = self._pinned_bytes(), self.bytes_reserved
+        if pinned + reserved + need > budget:
+            slots = f" and running sequences' slots {format_bytes(reserved)}" if reserved else ""
             raise PoolBudgetError(
-                f"prefix {label!r} needs {format_bytes(need)} but pinned prefixes hold {format_bytes(pinned)} of the "
-                f"{format_bytes(budget)} {setting('cache_budget')}; raise the budget or unpin a task (pin: false)"
+                f"prefix {label!r} needs {format_bytes(need)} but pinned prefixes hold {format_bytes(pinned)}{slots} "
+                f"of the {format_bytes(budget)} {setting('cache_budget')}; raise the budget or unpin a task (pin: false)"
             )
+
+    def _pinned_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values() if e.pinned)
 
     def _obtain(
         self, loaded: LoadedModel, key: PrefixKey, ids: tuple[int, ...], name: str
@@ -278,8 +338,8 @@ class PrefixPool:
         return best, best_len
 
     def _make_room(self, need: int) -> None:
-        """Evict unpinned entries in policy order until ``need`` more bytes fit."""
-        held = self.bytes_held
+        """Evict unpinned entries in policy order until ``need`` more bytes fit beside the entries and reservations."""
+        held = self.bytes_held + self.bytes_reserved
         for digest in self._policy.order():
             if held + need <= self.config.budget_bytes:
                 break

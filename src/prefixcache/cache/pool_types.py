@@ -73,7 +73,9 @@ class PoolStats:
     ``hits`` are lookups answered from memory; every other lookup is a ``miss``
     (answered from disk, by extension, or by computing). ``prefill_tokens_saved``
     is the prefix tokens not computed thanks to the pool (hits, disk loads,
-    reused leading parts).
+    reused leading parts). ``bytes_held`` is the held prefixes' bytes, ``reserved_bytes``
+    the bytes kept outside them within the budget (the engine loop's slot store:
+    :meth:`PrefixPool.reserve`); ``used_bytes``, their sum, never passes ``budget_bytes``.
     """
 
     hits: int
@@ -92,6 +94,12 @@ class PoolStats:
     partial_reuses: int
     storage: str
     eviction: str
+    reserved_bytes: int = 0
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes the budget counts: the held prefixes and the reservations."""
+        return self.bytes_held + self.reserved_bytes
 
     @property
     def bytes_saved(self) -> int:
@@ -99,4 +107,4 @@ class PoolStats:
         return self.float_bytes - self.bytes_held
 
     def to_json(self) -> dict:
-        return asdict(self) | {"bytes_saved": self.bytes_saved}
+        return asdict(self) | {"bytes_saved": self.bytes_saved, "used_bytes": self.used_bytes}

@@ -18,6 +18,11 @@ freed. What a sequence gets does not depend on what shares its steps (invariant 
 other, sampling is per row (seeded rows draw from their own generator), and a constraint that fails fails
 only its own row.
 
+The slot store's bytes are bounded by ``LoopConfig.slot_bytes``, or, for a loop given the prefix pool, by the
+pool's budget together with the prefixes (:mod:`prefixcache.scheduler.slot_budget`): the store is sized from
+what the budget leaves, reserved in the pool, and given back by :meth:`~EngineLoop.close`. A sequence for
+which not even one slot fits fails alone (SequenceTooLongError, or the pool's PoolReservationError).
+
 Not thread-safe: one thread (the CLI's, or the server's model thread) calls ``add`` and ``step``; only
 :meth:`Sequence.cancel` may be called from elsewhere.
 """
@@ -31,20 +36,21 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from ..cache.kv import KVShape, PrefixKV
+from ..cache.kv import PrefixKV
+from ..cache.pool import PrefixPool
 from ..cache.slots import Feed, SlotStore
 from ..engine.generate import RowOutput
 from ..engine.sampling import TokenPicker, pick_each
 from ..engine.slot_pass import forward_slots
-from ..errors import ConstraintError, SequenceTooLongError
+from ..errors import ConstraintError, PoolBudgetError, SequenceTooLongError
 from .sequence import Generate, Sequence, Status, scorer_group
-
-SLOT_ROUND = 64  # slot lengths are rounded up to this many tokens, so a slightly longer record does not regrow
+from .slot_budget import SlotBudget, slot_length
 
 
 @dataclass(frozen=True)
 class LoopConfig:
-    """Bounds of one step. ``slot_bytes``: the byte budget of the own-token store (it sets the slot count)."""
+    """Bounds of one step. ``slot_bytes``: the byte budget of the own-token store (it sets the slot count) when the
+    loop has no prefix pool; with one, the pool's budget bounds the store instead (see :class:`EngineLoop`)."""
 
     max_step_tokens: int = 2048
     max_seqs: int = 32
@@ -85,11 +91,17 @@ class LoopStats:
 
 
 class EngineLoop:
-    """The scheduler and its step over one model. See the module docstring for the contract."""
+    """The scheduler and its step over one model. See the module docstring for the contract.
 
-    def __init__(self, model: torch.nn.Module, tokenizer, config: LoopConfig = LoopConfig()):
+    ``pool``: the prefix pool whose byte budget also bounds the slot store (its bytes reserved there, given back
+    by :meth:`close`); None: ``config.slot_bytes`` bounds it.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer, config: LoopConfig = LoopConfig(),
+                 pool: PrefixPool | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.store: SlotStore | None = None
+        self.slot_budget = SlotBudget(model, config.slot_bytes, config.max_seqs, pool)
         self.waiting: OrderedDict[Hashable, deque[Sequence]] = OrderedDict()  # client -> its sequences, in turn order
         self.running: deque[Sequence] = deque()
         self.stats = LoopStats()
@@ -160,7 +172,7 @@ class EngineLoop:
             return len(seq.ids) if len(seq.ids) <= room or not plan.items else None
         try:
             store = self._store_for(seq)
-        except SequenceTooLongError as exc:
+        except (SequenceTooLongError, PoolBudgetError) as exc:  # not even one slot for it: it fails alone
             self.waiting[seq.client].popleft()
             self._finish(seq, Status.FAILED, error=str(exc))
             return 0
@@ -175,43 +187,44 @@ class EngineLoop:
     def _store_for(self, seq: Sequence) -> SlotStore | None:
         """The slot store with a slot long enough for ``seq``, or None: ``seq`` waits for running ones to finish.
 
-        The store holds as many slots as ``slot_bytes`` allows (at most ``max_seqs``). A longer sequence grows
-        every slot in place while the grown store still fits the budget; otherwise it waits until no sequence
-        runs, and the store is made again with longer, fewer slots. An idle store far longer than a sequence
-        needs (after a long request) is made again at that sequence's length, with its slot count back. So the
-        store's bytes never pass ``slot_bytes``, whatever a request asks for.
+        The store holds as many slots as its bound allows (at most ``max_seqs``): ``slot_bytes``, or with a pool
+        what the pool's budget leaves beside the held prefixes (:class:`~prefixcache.scheduler.slot_budget.SlotBudget`).
+        A longer sequence grows every slot in place while the grown store still fits; otherwise it waits until no
+        sequence runs, and the store is made again with longer, fewer slots. An idle store far longer than a
+        sequence needs (after a long request) is made again at that sequence's length, with its slot count back.
+        So the store's bytes never pass ``slot_bytes`` (or, with a pool, its budget), whatever a request asks for.
 
         Raises:
-            SequenceTooLongError: not even one slot of ``seq``'s length fits in ``slot_bytes``.
+            SequenceTooLongError: (no pool) not even one slot of ``seq``'s length fits in ``slot_bytes``.
+            PoolReservationError: (a pool) not even one slot fits beside the pinned prefixes and other reservations.
         """
-        need = -(-seq.own_tokens // SLOT_ROUND) * SLOT_ROUND
+        need = slot_length(seq.own_tokens)
         store = self.store
         idle = store is None or store.free == store.slots
         if store is not None and store.slot_tokens >= need and not (idle and store.slot_tokens > 2 * need
                                                                     and store.slots < self.config.max_seqs):
             return store
-        if (store is not None and store.slot_tokens < need
-                and store.shape.nbytes(need, store.element_size) * store.slots <= self.config.slot_bytes):
-            store.grow(need)
+        if store is not None and store.slot_tokens < need and self.slot_budget.grow(store, need):
             return store
         if not idle:
             return None
-        self.store = None  # the old store's tensors go before the new ones are made
-        self.check_fits(seq.own_tokens)
-        param = next(self.model.parameters())
-        self.store = SlotStore.within(KVShape.of(self.model.config), self.config.slot_bytes, need, param.dtype,
-                                      param.device, self.config.max_seqs)
+        self._drop_store()  # the old store's tensors (and its bytes in the pool) go before the new ones are made
+        self.store = self.slot_budget.make(seq.own_tokens)
         return self.store
 
     def check_fits(self, own_tokens: int) -> None:
-        """Raise SequenceTooLongError (naming the sizes) when a sequence of ``own_tokens`` could never get a slot."""
-        need = -(-own_tokens // SLOT_ROUND) * SLOT_ROUND
-        param = next(self.model.parameters())
-        nbytes = KVShape.of(self.model.config).nbytes(need, param.element_size())
-        if nbytes > self.config.slot_bytes:
-            raise SequenceTooLongError(
-                f"{own_tokens} tokens of its own need {nbytes} bytes of keys/values, more than this loop's "
-                f"{self.config.slot_bytes}-byte slot budget")
+        """Raise SequenceTooLongError (naming the sizes) when a sequence of ``own_tokens`` could never get a slot
+        within ``slot_bytes`` (a loop with a pool asks the pool when it makes the store)."""
+        self.slot_budget.check_fits(own_tokens)
+
+    def close(self) -> None:
+        """Drop the slot store, giving its bytes back to the pool's budget (when the loop has a pool). Call it when
+        the loop is done: it takes no step after (a sequence still running would have no slot)."""
+        self._drop_store()
+
+    def _drop_store(self) -> None:
+        self.store = None
+        self.slot_budget.release()
 
     def _drop_cancelled(self) -> list[Sequence]:
         """Take cancelled sequences out of the queues, free their slots, and tell their callers."""

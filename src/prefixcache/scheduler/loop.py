@@ -181,15 +181,19 @@ class BoundTask:
         """Every batch's items as sequences of one engine loop (:mod:`~prefixcache.scheduler.engine_loop`), stepped
         until all are done, at most a batch's size per step: a generating row that finishes is replaced at the next
         step. ``continuous=False`` (or ``self.continuous`` False) runs the batches as they are instead, one
-        ``_forward`` call each (the static path, kept to compare). Returns item index -> its output."""
+        ``_forward`` call each (the static path, kept to compare). With a pool, the loop's slot store counts in the
+        pool's budget while it runs, and is given back when the run ends. Returns item index -> its output."""
         batches = list(batches)
         if not (self.continuous if continuous is None else continuous):
             return self._run_static(batches, stats, progress)
         size = max((len(batch) for _, batch in batches), default=1)
-        engine = EngineLoop(self.loaded.model, self.loaded.tokenizer, LoopConfig(CLI_STEP_TOKENS, size))
+        engine = EngineLoop(self.loaded.model, self.loaded.tokenizer, LoopConfig(CLI_STEP_TOKENS, size), self.pool)
         done = (lambda seq: progress(1)) if progress else None
         seqs = self._sequences(batches, stats, done)
-        engine.run_until_done(seqs)
+        try:
+            engine.run_until_done(seqs)
+        finally:
+            engine.close()  # its slot store's bytes back to the pool's budget
         self._count_loop(engine, seqs, stats)
         return {seq.tag.index: seq.result if seq.error is None else Failure(seq.error) for seq in seqs}
 

@@ -12,7 +12,8 @@ Two families describe prefixes:
 * the prefix pool's own counters, read from ``PrefixPool.stats()`` at each
   scrape (:meth:`Metrics.watch_pool`): ``prefixcache_pool_hits_total`` (lookups
   answered from memory), ``..._misses_total`` (lookups that built the prefix),
-  ``..._evictions_total``, ``prefixcache_pool_bytes`` (held), ``..._budget_bytes``,
+  ``..._evictions_total``, ``prefixcache_pool_bytes`` (the prefixes held),
+  ``..._reserved_bytes`` (the engine loop's slot store, counted in the same budget), ``..._budget_bytes``,
   ``..._entries``, ``..._pinned`` and the prefill tokens saved and computed.
 
 A task's labelled series (those above, ``prefixcache_items_total`` and the per-task pass histograms) exist
@@ -241,7 +242,10 @@ class _PoolCollector(Collector):
             yield CounterMetricFamily(f"prefixcache_pool_{name}", doc, value=value)
         gauges = (
             ("bytes", "Bytes of the prefixes the pool holds.", s.bytes_held),
-            ("budget_bytes", "The pool's byte budget (cache_budget_bytes).", s.budget_bytes),
+            ("reserved_bytes", "Bytes of running sequences' slots, counted in the pool's budget beside the prefixes.",
+             s.reserved_bytes),
+            ("budget_bytes", "The pool's byte budget (cache_budget_bytes): prefixes and reserved bytes together.",
+             s.budget_bytes),
             ("entries", "Prefixes the pool holds.", s.entries),
             ("pinned", "Pinned prefixes (never evicted).", s.pinned),
         )

@@ -15,6 +15,8 @@ budget ``settings.cache_budget_bytes``, LRU eviction). Runners look their prefix
 up once per request, on the model thread, and keep nothing of it between requests, so an
 evicted prefix is freed once the sequences that hold it end, and rebuilt when its task is next used:
 the prefix bytes alive are at most the budget plus the prefixes of sequences in flight.
+The engine loop's slot store (running sequences' own keys/values) counts in the same budget: it is sized
+from what the held prefixes leave when it is made, and reserved in the pool for as long as the service runs.
 Tasks with the same prefix tokens share one entry. ``settings.max_tasks`` caps how many
 tasks are registered.
 
@@ -87,10 +89,11 @@ class Service:
         for _ in range(PREP_THREADS):
             self._prep_tokenizers.put(copy.deepcopy(loaded.tokenizer))
         self.stream_tokenizer = copy.deepcopy(loaded.tokenizer)  # the event loop's own: decodes streamed tokens
-        loop_config = LoopConfig(settings.max_step_tokens, settings.max_batch)
-        self.engine = EngineThread(EngineLoop(loaded.model, loaded.tokenizer, loop_config), settings, metrics)
         self.pool = PrefixPool(PoolConfig(budget_bytes=settings.cache_budget_bytes))  # used on the model thread only
         metrics.watch_pool(self.pool)
+        loop_config = LoopConfig(settings.max_step_tokens, settings.max_batch)
+        loop = EngineLoop(loaded.model, loaded.tokenizer, loop_config, self.pool)  # its slots count in the budget
+        self.engine = EngineThread(loop, settings, metrics)
         self._runners: dict[str, TaskRunner] = {}
         self._startup: set[str] = set()  # the registered tasks that are start-up tasks (not replaced since)
         self.openai = OpenAIRunners(loaded, self.pool, settings.method)  # the OpenAI-compatible routes' runners
