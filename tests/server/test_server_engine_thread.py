@@ -285,9 +285,9 @@ def test_a_prefix_built_in_chunks_lets_other_requests_step_in_between():
 
     class Chunked(FakeRunner):
         def prefix_build(self, chunk_tokens: int):
-            def chunks():
+            def chunks():  # logged to the runner's own log: a build the cancel comes too late to stop stays apart
                 for i in range(3):
-                    log.append(("chunk", i))
+                    self.log.append(("chunk", i))
                     yield
             return chunks()
 
