@@ -147,6 +147,22 @@ def test_a_scoring_sequence_longer_than_the_budget_runs_alone(task):
     assert scorer.calls == [1, 1]
 
 
+def test_time_to_first_token_counts_from_the_step_that_first_feeds_a_sequence():
+    """A sequence that waits for a slot is admitted only when one frees: its admission time (what an extraction's
+    time to first token counts from) comes after the sequence ahead of it finished, so its wait is not in it."""
+    config = GenerationConfig(4)
+    loop = EngineLoop(LOADED.model, LOADED.tokenizer, LoopConfig(max_seqs=1))
+    first, second = (Sequence(PREFIXES[0], [30, 31], Generate(config)) for _ in range(2))
+    loop.add(first)
+    loop.add(second)
+    loop.step()
+    assert first.admitted_at is not None and second.admitted_at is None, "one slot: the second waits unadmitted"
+    loop.run_until_done()
+    finished = [first.first_token_at, second.admitted_at, second.first_token_at]
+    assert None not in finished and first.admitted_at <= finished[0] < finished[1] <= finished[2]
+    assert len(first.generated) == len(second.generated) == 4
+
+
 def test_cancelling_frees_the_slot_at_the_next_step():
     config = GenerationConfig(50)
     loop = EngineLoop(LOADED.model, LOADED.tokenizer, LoopConfig(max_seqs=2))

@@ -107,7 +107,6 @@ class EngineLoop:
         self.stats = LoopStats()
         self.last_plan = Scheduled()  # what the last step fed (read after it by whoever drives the loop)
         self.on_schedule: Callable[[Scheduled], None] | None = None  # told what a step feeds, before it runs
-        self.created = time.perf_counter()  # what a sequence's time to first token counts from
 
     # --- what callers use ---------------------------------------------------------------------------
 
@@ -178,7 +177,7 @@ class EngineLoop:
             return 0
         if store is None or store.free == 0:
             return None
-        seq.slot, seq.status = store.take(), Status.RUNNING
+        seq.slot, seq.status, seq.admitted_at = store.take(), Status.RUNNING, time.perf_counter()
         want: Generate = seq.want
         seq.output, seq.picker = RowOutput(self.tokenizer), TokenPicker(want.sampling, 1, seq.prefix.keys[0].device)
         self.running.append(seq)

@@ -179,7 +179,8 @@ class Extractor(BoundTask):
         stats.forward_passes += engine.stats.passes
         stats.prefill_tokens += sum(len(seq.ids) for seq in seqs)
         stats.tokens_generated += engine.stats.tokens_generated
-        stats.first_token_s += [seq.first_token_at - engine.created for seq in seqs if seq.first_token_at is not None]
+        # from the step that first fed the record (its own wait in the queue is not its time to first token)
+        stats.first_token_s += [seq.first_token_at - seq.admitted_at for seq in seqs if seq.first_token_at is not None]
 
     def _result(self, item: WorkItem, generation: Generation | Failure) -> Extraction:
         if isinstance(generation, Failure):

@@ -90,6 +90,7 @@ class Sequence:
         self.fed = 0  # own tokens written to its slot so far
         self.generated: list[int] = []
         self.steps = 0  # steps it took part in
+        self.admitted_at: float | None = None  # perf_counter() when a step first fed it (it took its slot)
         self.first_token_at: float | None = None  # perf_counter() when its first token was chosen
         self.output: RowOutput | None = None
         self.picker: TokenPicker | None = None
