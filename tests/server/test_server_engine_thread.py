@@ -282,16 +282,23 @@ def test_a_prefix_built_in_chunks_lets_other_requests_step_in_between():
     submitted with it is scored between the chunks, not after them all; a request cancelled while its prefix is
     being built never runs and gives its room back."""
     log: list = []
+    building, cancelled = threading.Event(), threading.Event()
 
     class Chunked(FakeRunner):
+        hold = False  # the first chunk waits (on the model thread) until the request has been cancelled
+
         def prefix_build(self, chunk_tokens: int):
-            def chunks():  # logged to the runner's own log: a build the cancel comes too late to stop stays apart
+            def chunks():
                 for i in range(3):
                     self.log.append(("chunk", i))
+                    if self.hold and i == 0:
+                        building.set()
+                        cancelled.wait(10)
                     yield
             return chunks()
 
     long, short, dropped = Chunked("long", log), FakeRunner("short", log), Chunked("dropped", [])
+    dropped.hold = True
 
     async def scenario(thread):
         first = asyncio.ensure_future(thread.submit(long, [item("a")]))
@@ -303,9 +310,10 @@ def test_a_prefix_built_in_chunks_lets_other_requests_step_in_between():
                 return await thread.submit(dropped, [item("c")], "doomed", hold)
 
         doomed = asyncio.ensure_future(doomed_request())
-        await asyncio.sleep(0)
+        await until(building.is_set, "the cancelled request's prefix build started")
         doomed.cancel()
         await asyncio.gather(doomed, return_exceptions=True)
+        cancelled.set()
         await until(lambda: thread.in_progress == 0, "the cancelled request's room given back")
         return answers
 
