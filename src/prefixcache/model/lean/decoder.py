@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .config import LeanConfig
-from .layers import DecoderLayer, PassState, RMSNorm
+from .layers import DecoderLayer, PassState, RMSNorm, output_head
 from .masks import default_positions, pass_mask
 from .rope import cos_sin, inverse_frequencies
 
@@ -149,7 +149,7 @@ class LeanForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LeanModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = output_head(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         eos = config.eos_token_id if eos_token_id is None else eos_token_id
