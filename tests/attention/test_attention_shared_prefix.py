@@ -99,6 +99,19 @@ def test_fused_and_eager_partial_attention_agree_including_empty_rows(dtype):
     torch.testing.assert_close(out_f.float(), out_e.float(), atol=tol, rtol=tol)
 
 
+def test_the_fused_kernel_is_fed_dense_last_dims_whatever_the_callers_layout():
+    """torch's fused CPU kernel, called directly, returns garbage for a last dim that is not dense; queries, keys and
+    values that arrive as transposed views (a projection's output read as ``W @ x^T``) still attend exactly."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(16, 2, 3, n, generator=gen).permute(1, 2, 3, 0) for n in (5, 7, 7))  # [2, 3, n, 16]
+    assert q.stride(-1) != 1 and k.stride(-1) != 1 and v.stride(-1) != 1
+    mask = torch.ones(2, 1, 5, 7, dtype=torch.bool).tril(2)
+    out_f, lse_f = _attend_cpu_flash(q, k, v, mask, 0.25)
+    out_e, lse_e = _attend_eager(q.contiguous(), k.contiguous(), v.contiguous(), mask, 0.25)
+    torch.testing.assert_close(lse_f, lse_e, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_f, out_e, atol=1e-5, rtol=1e-5)
+
+
 def test_attention_features_it_cannot_share_are_refused():
     from prefixcache.attention.shared_prefix import SharedKV, shared_prefix_attention
 

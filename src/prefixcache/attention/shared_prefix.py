@@ -262,7 +262,7 @@ def _own_part(query, keys, values, part: OwnPart, scale) -> tuple[torch.Tensor, 
     grouped = rows.reshape(batch, keys.shape[1], groups * width, head_dim)  # [Rp, kv, g*T, d]
     if _has_cpu_flash(grouped):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            grouped, keys, values, 0.0, False, attn_mask=part.bias(groups, grouped.dtype), scale=scale)
+            *_dense(grouped, keys, values), 0.0, False, attn_mask=part.bias(groups, grouped.dtype), scale=scale)
     else:
         out, lse = _attend_eager(grouped, keys, values, part.grouped_mask(groups), scale)
     out, lse = out.view(rows.shape), lse.reshape(batch, heads, width)
@@ -304,10 +304,17 @@ def _attend_cpu_flash(q, k, v, mask, scale, causal: bool = False) -> tuple[torch
     additive = None
     if mask is not None:
         additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=additive, scale=scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*_dense(q, k, v), 0.0, causal, attn_mask=additive,
+                                                                          scale=scale)
     if mask is not None:  # the kernel reports lse 0 for a row with no visible key
         lse = lse.masked_fill(~mask.any(-1).expand(lse.shape), float("-inf"))
     return out, lse
+
+
+def _dense(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each tensor with a dense last dim (stride 1), copied only where it is not: torch's fused CPU kernel, called
+    directly, reads its inputs' last dim as dense and returns garbage for a transposed view (torch 2.13)."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
 
 def _attend_eager(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
