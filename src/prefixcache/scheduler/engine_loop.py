@@ -211,11 +211,6 @@ class EngineLoop:
         self.store = self.slot_budget.make(seq.own_tokens)
         return self.store
 
-    def check_fits(self, own_tokens: int) -> None:
-        """Raise SequenceTooLongError (naming the sizes) when a sequence of ``own_tokens`` could never get a slot
-        within ``slot_bytes`` (a loop with a pool asks the pool when it makes the store)."""
-        self.slot_budget.check_fits(own_tokens)
-
     def close(self) -> None:
         """Drop the slot store, giving its bytes back to the pool's budget (when the loop has a pool). Call it when
         the loop is done: it takes no step after (a sequence still running would have no slot)."""

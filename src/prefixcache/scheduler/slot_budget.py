@@ -59,8 +59,10 @@ class SlotBudget:
     def check_fits(self, own_tokens: int) -> None:
         """Raise SequenceTooLongError (naming the sizes) when one slot for ``own_tokens`` tokens is larger than
         ``slot_bytes`` (without a pool; with one, :meth:`make` asks the pool, which raises PoolReservationError)."""
+        if self.pool is not None:
+            return
         nbytes = self.per_slot(slot_length(own_tokens))
-        if self.pool is None and nbytes > self.slot_bytes:
+        if nbytes > self.slot_bytes:
             raise SequenceTooLongError(
                 f"{own_tokens} tokens of its own need {nbytes} bytes of keys/values, more than this loop's "
                 f"{self.slot_bytes}-byte slot budget")

@@ -97,13 +97,16 @@ def build_lean(config: LeanConfig, tensors: dict[str, torch.Tensor], eos_token_i
     return model
 
 
+def _fused_of(name: str) -> str | None:
+    """The fused projection (a key of FUSED) the lean model's parameter ``name`` belongs to, or None."""
+    return next((fused for fused in FUSED if f".{fused}." in name), None)
+
+
 def checkpoint_names(name: str) -> list[str]:
     """The checkpoint tensors behind the lean model's parameter ``name``: several for a fused projection
     (``model.layers.0.self_attn.qkv_proj.weight`` -> its ``q_proj``, ``k_proj``, ``v_proj`` weights), else itself."""
-    for fused, parts in FUSED.items():
-        if f".{fused}." in name:
-            return [name.replace(f".{fused}.", f".{part}.") for part in parts]
-    return [name]
+    fused = _fused_of(name)
+    return [name] if fused is None else [name.replace(f".{fused}.", f".{part}.") for part in FUSED[fused]]
 
 
 def fuse_projections(tensors: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
@@ -125,10 +128,9 @@ def checkpoint_tensors(model: LeanForCausalLM) -> dict[str, torch.Tensor]:
     attention = (config.num_attention_heads * config.head_dim, *(2 * (config.num_key_value_heads * config.head_dim,)))
     sizes = {"self_attn.qkv_proj": attention, "mlp.gate_up_proj": (config.intermediate_size,) * 2}
     for name, tensor in model.state_dict().items():
-        parts = checkpoint_names(name)
-        fused = next((key for key in FUSED if f".{key}." in name), None)
-        pieces = tensor.split(sizes[fused], dim=0) if fused else (tensor,)
-        tensors.update((part, piece.contiguous()) for part, piece in zip(parts, pieces))
+        fused = _fused_of(name)
+        pieces = (tensor,) if fused is None else tensor.split(sizes[fused], dim=0)
+        tensors.update((part, piece.contiguous()) for part, piece in zip(checkpoint_names(name), pieces))
     if config.tie_word_embeddings:
         tensors.pop(HEAD, None)
     return tensors
