@@ -195,6 +195,35 @@ def test_a_row_whose_constraint_fails_fails_alone(monkeypatch):
     assert good.status == Status.FINISHED and len(good.result.token_ids) >= 1
 
 
+def test_a_row_whose_grammar_refuses_its_token_fails_alone_and_leaves(monkeypatch):
+    """A ConstraintError as a row takes its token (its grammar refuses to advance) fails that row alone, with the
+    error's own message: it is reported finished in that step (once), gives its slot back, leaves the running
+    rows and tells its caller; its pass-mate goes on to finish, its tokens reported with itself."""
+    from prefixcache.engine import constraint
+
+    config = GenerationConfig(4)
+    ended, seen = [], []
+    bad = Sequence(PREFIXES[0], [30, 31], Generate(config, constraint=SCHEMA), on_finish=ended.append)
+    good = Sequence(PREFIXES[0], [30, 32], Generate(config), on_finish=ended.append,
+                    on_token=lambda seq, token: seen.append((seq, token)))
+
+    def refuses(self, row, token):
+        raise constraint.ConstraintError("the grammar refused the token")
+    monkeypatch.setattr(constraint.ConstrainedRows, "accept", refuses)
+    loop = EngineLoop(LOADED.model, LOADED.tokenizer)
+    loop.add(bad)
+    loop.add(good)
+    reported = loop.step()
+    assert bad in reported and bad.status == Status.FAILED and bad.error == "the grammar refused the token"
+    assert bad.slot is None and bad not in loop.running and ended == [bad] and bad.generated == []
+    assert good.status == Status.RUNNING and loop.store.free == loop.store.slots - 1
+    while loop.has_work:
+        reported += loop.step()
+    assert reported.count(bad) == 1 and good in reported and good.status == Status.FINISHED and ended == [bad, good]
+    assert [token for _, token in seen] == list(good.result.token_ids) and all(seq is good for seq, _ in seen)
+    assert loop.store.free == loop.store.slots
+
+
 def test_a_row_whose_constraint_allows_no_token_fails_alone(monkeypatch):
     """A constraint that masks every token of a row (a dead end) fails that row with a ConstraintError's message;
     sampling its all--inf logits would otherwise raise for the whole step."""
