@@ -30,6 +30,8 @@ from prefixcache.eval.fit_head import fit_head, single_threaded
 from prefixcache.eval.suggest import choose_rows
 from prefixcache.scheduler.feature_pass import FeatureSet
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def load(cache: Path, name: str):
     rows = json.loads((cache / f"{name}.rows.json").read_text())
@@ -234,12 +236,16 @@ def main():
     parser.add_argument("--cache", type=Path, default=Path("/tmp/trust_cache"))
     parser.add_argument("--plots", type=Path, default=None)
     parser.add_argument("--only", default="tickets,banking77,natcs71,writers,suggest_cost")
+    parser.add_argument("--store", type=Path, default=None, help="banking77-all: the --feature-cache of `suggest`")
+    parser.add_argument("--store-rows", type=Path, default=None, help="banking77-all: the pool file given to `suggest`")
     args = parser.parse_args()
     report = {}
     if "tickets" in args.only:
         report["tickets"] = tickets(args)
-    if "banking77" in args.only and (args.cache / "banking77.rows.json").exists():
+    if "banking77" in args.only.split(",") and (args.cache / "banking77.rows.json").exists():
         report["banking77"] = banking(args)
+    if "banking77-all" in args.only.split(","):
+        report["banking77-all"] = banking_all(args)
     if "natcs71" in args.only and (args.cache / "natcs71.rows.json").exists():
         report["natcs71"] = natcs71(args)
     if "suggest_cost" in args.only:
@@ -288,6 +294,62 @@ def banking(args):
         from prefixcache.eval.selective import plot_trust
         plot_trust(conf, ok, args.plots / "trust-banking77.png", f"banking77-short head, {len(test)} held-out rows (calibrated)")
     return {"head": row, "prompt": prompt, "simulation": table, "ms_per_row": 1000 * s_per_row, "rows": total}
+
+
+def load_store(store: Path, rows_path: Path, task_path: str):
+    """The features ``prefixcache suggest --feature-cache`` stored (every shard under ``store``), for the rows of
+    ``rows_path`` (JSON Lines with ``id``, ``text``, ``label``), in that order."""
+    from prefixcache.engine.head_file import text_hash
+    from prefixcache.task.definition import load_task
+
+    task = load_task(task_path)
+    stored = {}
+    for shard in sorted(store.rglob("shard-*.npz")):
+        with np.load(shard) as data:
+            stored.update({str(k): (f, p) for k, f, p in zip(data["hashes"], data["features"], data["prompt"])})
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
+    keys = [text_hash({"text": r["text"]}, task.fields) for r in rows]
+    labels = tuple(task.labels)
+    fs = FeatureSet(ids=[r["id"] for r in rows], features=np.stack([stored[k][0] for k in keys]),
+                    prompt_logprobs=np.stack([stored[k][1] for k in keys]), labels=labels, feature="last+mean@3/4",
+                    prefix_hash="", model_identity="smollm2-135m", text_hashes=keys)
+    return fs, np.array([labels.index(r["label"]) for r in rows])
+
+
+def banking_all(args):
+    """banking77 at full scale: the whole training split, 10 rows per intent held out (never fitted on, never in a
+    pool), the rest the pool; the head at 10 rows per intent, and the ``suggest`` simulation over the whole pool."""
+    fs, y = load_store(args.store, args.store_rows, str(ROOT / "docs" / "tasks" / "banking77-short.yaml"))
+    seen, pool, test, ten = {}, [], [], []
+    for i, label in enumerate(y):
+        seen[label] = seen.get(label, 0) + 1
+        (test if seen[label] <= 10 else pool).append(i)
+        if 10 < seen[label] <= 20:
+            ten.append(i)
+    pool, test, ten = np.array(pool), np.array(test), np.array(ten)
+    row, conf, ok = head_study(f"banking77-short, 10 per intent ({len(ten)} -> {len(test)})", fs, y, ten, test,
+                               (0.5, 0.65, 0.8, 0.9), (0.95,))
+    prompt = prompt_study(fs, y, pool, test)
+    print("banking77 (full) head:", json.dumps(row, default=str, indent=1))
+    print("banking77 (full) prompt:", json.dumps(prompt, default=str, indent=1))
+    budgets = [154, 231, 308, 385, 462, 539, 616, 770, 1155, 1540]
+    sim = simulate(fs, y, pool, test, ("random", "uncertain", "margin", "diverse"), budgets, (0, 1, 2))
+    table = {f"{s} @ {b}": (float(np.mean(v)), float(np.std(v))) for (s, b), v in sim.items()}
+    print("suggest simulation (whole pool):", json.dumps(table, indent=1))
+    whole = whole_pool_accuracy(fs, y, pool, test)
+    print("head on the whole pool:", pct(whole))
+    if args.plots:
+        _plot_sim(sim, budgets, args.plots / "trust-suggest-banking77-full.png", len(pool), len(test))
+        from prefixcache.eval.selective import plot_trust
+        plot_trust(conf, ok, args.plots / "trust-banking77-full.png", f"banking77-short head, 10 per intent, {len(test)} held-out rows (calibrated)")
+    return {"head": row, "prompt": prompt, "simulation": table, "pool": len(pool), "test": len(test), "whole_pool": whole}
+
+
+def whole_pool_accuracy(fs, y, pool, test, C=0.1) -> float:
+    """Held-out accuracy of the simulation's head fitted on every pool row (what labelling the whole pool buys)."""
+    scaler = StandardScaler().fit(fs.features[pool])
+    model = _fit(scaler.transform(fs.features), y, pool.tolist(), C, 0)
+    return float((model.predict(scaler.transform(fs.features[test])) == y[test]).mean())
 
 
 def natcs71(args):
