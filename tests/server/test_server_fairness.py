@@ -120,12 +120,12 @@ def test_clients_take_turns_item_by_item_and_the_turn_carries_over_to_the_next_p
 # --- over HTTP -------------------------------------------------------------------------------------
 
 
-def post(server, source: str, body: dict):
-    """POST /v1/classify from the loopback address ``source``. Returns (status, parsed JSON)."""
+def post(server, source: str, body: dict, path: str = "/v1/classify"):
+    """POST ``path`` from the loopback address ``source``. Returns (status, parsed JSON)."""
     url = urlparse(server.url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60, source_address=(source, 0))
     try:
-        conn.request("POST", "/v1/classify", json.dumps(body), {"Content-Type": "application/json"})
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         response = conn.getresponse()
         return response.status, json.loads(response.read())
     finally:
@@ -158,6 +158,35 @@ def test_over_http_a_client_is_its_address_and_its_share_is_its_own(loaded, task
         other_status, other_body = other[0]
     assert same_status == 429 and "one client may have at most 4" in same_body["detail"], same_body
     assert other_status == 200 and [r["id"] for r in other_body["results"]] == [0, 1], other_body
+    assert first[0][0] == 200, "the first client's queued request must still be answered"
+
+
+def test_an_openai_request_counts_against_its_clients_share(loaded, task):
+    settings = ServerSettings(max_queue=8, max_items=3, max_queue_per_client=3, max_batch=64)
+    with ServerThread(create_app(loaded, [task], settings)) as server:
+        service = server.app.state.service
+        chat = {"model": service.loaded.spec, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        first: list = []
+        other: list = []
+        with model_thread_held(server):
+            waiting = threading.Thread(
+                target=lambda: first.append(post(server, "127.0.0.1", {"task": TASK, "items": ["a", "b", "c"]})))
+            waiting.start()
+            deadline = time.monotonic() + 10  # a bound on a hang
+            while service.engine.in_progress < 3:
+                assert time.monotonic() < deadline, "the first request never reached the queue"
+                time.sleep(0.01)
+            same_status, same_body = post(server, "127.0.0.1", chat, "/v1/chat/completions")
+            admitted = threading.Thread(
+                target=lambda: other.append(post(server, "127.0.0.2", chat, "/v1/chat/completions")))
+            admitted.start()
+            while service.engine.in_progress < 4:
+                assert time.monotonic() < deadline, "the other client's chat request was not admitted"
+                time.sleep(0.01)
+        waiting.join()
+        admitted.join()
+    assert same_status == 429 and "one client may have at most 3" in same_body["error"]["message"], same_body
+    assert other[0][0] == 200, other
     assert first[0][0] == 200, "the first client's queued request must still be answered"
 
 
