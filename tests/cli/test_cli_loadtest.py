@@ -109,3 +109,26 @@ def test_the_peer_lane_without_a_llama_server_is_skipped(monkeypatch, tmp_path):
     assert llama_server.found_binary(None) == str(binary)
     monkeypatch.setenv("LLAMA_SERVER", str(binary))
     assert llama_server.found_binary(None) == str(binary)
+
+
+def test_the_peer_and_mixed_lanes_json_names_the_machine(monkeypatch, tmp_path):
+    """The ``--json`` of ``peer`` and ``mixed`` carries the machine beside the figures (docs/bench/ needs it)."""
+    import json
+
+    monkeypatch.setattr(peer, "chats", lambda task, requests: [])
+    monkeypatch.setattr(peer, "embedded_gguf", lambda: "model.gguf")
+    monkeypatch.setattr(peer, "run_server", lambda name, make, options, chosen, **_: [
+        peer.Result(name, w, 2.0, [0.1, 0.2], 2) for w in ("classification", "extraction")])
+    peer.run_peer(PeerOptions(llama_server=str(tmp_path / "absent"), json_path=str(tmp_path / "peer.json")))
+    document = json.loads((tmp_path / "peer.json").read_text())
+    assert document["machine"]["cpu"] and document["machine"]["dtype"] == "auto" and document["machine"]["command"]
+    assert [r["workload"] for r in document["results"]] == ["classification", "extraction"]
+    assert document["results"][0]["rate"] == 1.0
+
+    def fills(lane, options, pool):
+        lane.idle, lane.classify, lane.extract, lane.seconds = [10.0], [20.0], [30.0], 1.0
+    monkeypatch.setattr(mixed, "run_lane", fills)
+    monkeypatch.setattr(mixed, "texts", lambda: [])
+    mixed.run_mixed(MixedOptions(json_path=str(tmp_path / "mixed.json")))
+    document = json.loads((tmp_path / "mixed.json").read_text())
+    assert document["machine"]["cores"] >= 1 and [lane["name"] for lane in document["lanes"]] == ["this checkout"]

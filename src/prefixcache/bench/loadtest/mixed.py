@@ -163,5 +163,6 @@ def run_mixed(options: MixedOptions) -> bool:
         for failure in lane.failures[:5]:
             print(f"[{lane.name}] {failure}")
     if options.json_path:
-        Path(options.json_path).write_text(json.dumps([lane.__dict__ for lane in lanes], indent=1))
+        document = {"machine": machine_info(dtype, options.served.threads), "lanes": [lane.__dict__ for lane in lanes]}
+        Path(options.json_path).write_text(json.dumps(document, indent=1))
     return not any(lane.failures for lane in lanes)

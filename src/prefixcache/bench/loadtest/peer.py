@@ -192,7 +192,11 @@ def run_peer(options: PeerOptions) -> bool:
         print("llama-server lane skipped: no llama-server binary (pass --llama-server or set LLAMA_SERVER)")
     print_table(results, options)
     if options.json_path:
-        Path(options.json_path).write_text(json.dumps([r.__dict__ | {"rate": r.rate} for r in results], indent=1))
+        from ...model.machine import machine_info
+
+        document = {"machine": machine_info(options.dtype, options.threads),
+                    "results": [r.__dict__ | {"rate": r.rate} for r in results]}
+        Path(options.json_path).write_text(json.dumps(document, indent=1))
     return all(not r.errors for r in results)
 
 
