@@ -68,11 +68,9 @@ quickstart: install
 # Slow (about half an hour on 2 cores); run it on a quiet machine.
 FIG := docs/bench/figures
 figures: install
-	$(BIN)/prefixcache demo --json $(FIG)/demo.json
 	# the README's speed tables; the file is named for the CPU kind it was measured on (a 2-core AMD EPYC with
 	# AVX512-BF16, no AMX): on another kind, write another file and point the README's tables at it
 	$(BIN)/prefixcache bench --items 120 --json docs/bench/smollm2-avx512bf16.json --plot docs/img/bench-smollm2-avx512bf16.png
-	$(BIN)/prefixcache bench --items 128 --sweep-prefix --no-llama-cpp --json $(FIG)/sweep.json
 	# the README quick start's fit and eval, with --json (the head file itself is not committed)
 	$(BIN)/prefixcache fit src/prefixcache/datasets/support_tickets.jsonl --task support-tickets --label-field label \
 	  --out $(FIG)/tickets.head.safetensors
