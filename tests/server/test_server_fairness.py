@@ -132,62 +132,51 @@ def post(server, source: str, body: dict, path: str = "/v1/classify"):
         conn.close()
 
 
+def one_client_full(server, same_body: dict, other_body: dict, route: str, admitted_at: int):
+    """With the model thread held, 127.0.0.1 queues a 3-item classification; then it sends ``same_body`` to
+    ``route`` while that is queued, and 127.0.0.2 sends ``other_body``, which must reach the queue (``admitted_at``
+    items in progress). Returns ((status, body) of 127.0.0.1's second request, of 127.0.0.2's, of the first)."""
+    service = server.app.state.service
+    first: list = []
+    other: list = []
+    with model_thread_held(server):  # the first request stays in progress meanwhile
+        waiting = threading.Thread(
+            target=lambda: first.append(post(server, "127.0.0.1", {"task": TASK, "items": ["a", "b", "c"]})))
+        waiting.start()
+        deadline = time.monotonic() + 10  # a bound on a hang
+        while service.engine.in_progress < 3:
+            assert time.monotonic() < deadline, "the first request never reached the queue"
+            time.sleep(0.01)
+        same = post(server, "127.0.0.1", same_body, route)
+        admitted = threading.Thread(target=lambda: other.append(post(server, "127.0.0.2", other_body, route)))
+        admitted.start()
+        while service.engine.in_progress < admitted_at:
+            assert time.monotonic() < deadline, "the other client's request was not admitted"
+            time.sleep(0.01)
+    waiting.join()
+    admitted.join()
+    return same, other[0], first[0]
+
+
 def test_over_http_a_client_is_its_address_and_its_share_is_its_own(loaded, task):
     settings = ServerSettings(max_queue=8, max_items=4, max_queue_per_client=4, max_batch=64)
     with ServerThread(create_app(loaded, [task], settings)) as server:
-        service = server.app.state.service
-        first: list = []
-        other: list = []
-        with model_thread_held(server):  # the first request stays in progress meanwhile
-            waiting = threading.Thread(
-                target=lambda: first.append(post(server, "127.0.0.1", {"task": TASK, "items": ["a", "b", "c"]})))
-            waiting.start()
-            deadline = time.monotonic() + 10  # a bound on a hang
-            while service.engine.in_progress < 3:
-                assert time.monotonic() < deadline, "the first request never reached the queue"
-                time.sleep(0.01)
-            same_status, same_body = post(server, "127.0.0.1", {"task": TASK, "items": ["d", "e"]})
-            admitted = threading.Thread(
-                target=lambda: other.append(post(server, "127.0.0.2", {"task": TASK, "items": ["f", "g"]})))
-            admitted.start()
-            while service.engine.in_progress < 5:
-                assert time.monotonic() < deadline, "the other client's request was not admitted"
-                time.sleep(0.01)
-        waiting.join()
-        admitted.join()
-        other_status, other_body = other[0]
+        (same_status, same_body), (other_status, other_body), first = one_client_full(
+            server, {"task": TASK, "items": ["d", "e"]}, {"task": TASK, "items": ["f", "g"]}, "/v1/classify", 5)
     assert same_status == 429 and "one client may have at most 4" in same_body["detail"], same_body
     assert other_status == 200 and [r["id"] for r in other_body["results"]] == [0, 1], other_body
-    assert first[0][0] == 200, "the first client's queued request must still be answered"
+    assert first[0] == 200, "the first client's queued request must still be answered"
 
 
 def test_an_openai_request_counts_against_its_clients_share(loaded, task):
     settings = ServerSettings(max_queue=8, max_items=3, max_queue_per_client=3, max_batch=64)
     with ServerThread(create_app(loaded, [task], settings)) as server:
-        service = server.app.state.service
-        chat = {"model": service.loaded.spec, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        first: list = []
-        other: list = []
-        with model_thread_held(server):
-            waiting = threading.Thread(
-                target=lambda: first.append(post(server, "127.0.0.1", {"task": TASK, "items": ["a", "b", "c"]})))
-            waiting.start()
-            deadline = time.monotonic() + 10  # a bound on a hang
-            while service.engine.in_progress < 3:
-                assert time.monotonic() < deadline, "the first request never reached the queue"
-                time.sleep(0.01)
-            same_status, same_body = post(server, "127.0.0.1", chat, "/v1/chat/completions")
-            admitted = threading.Thread(
-                target=lambda: other.append(post(server, "127.0.0.2", chat, "/v1/chat/completions")))
-            admitted.start()
-            while service.engine.in_progress < 4:
-                assert time.monotonic() < deadline, "the other client's chat request was not admitted"
-                time.sleep(0.01)
-        waiting.join()
-        admitted.join()
+        chat = {"model": server.app.state.service.loaded.spec, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2}
+        (same_status, same_body), other, first = one_client_full(server, chat, chat, "/v1/chat/completions", 4)
     assert same_status == 429 and "one client may have at most 3" in same_body["error"]["message"], same_body
-    assert other[0][0] == 200, other
-    assert first[0][0] == 200, "the first client's queued request must still be answered"
+    assert other[0] == 200, other
+    assert first[0] == 200, "the first client's queued request must still be answered"
 
 
 def test_the_auth_middleware_names_the_client_by_role_and_host():
