@@ -120,6 +120,21 @@ def test_the_step_budget_bounds_tokens_and_chunks_a_long_prompt():
     assert long.result.token_ids == Sequence_alone(long.ids, config).result.token_ids
 
 
+def test_a_step_counts_every_sequence_it_feeds_against_the_budget(task):
+    """Three 4-token scoring sequences under an 8-token budget: a step feeds two (8 tokens, counted whole), the
+    third waits for the next step; the counters add up what was fed and generated."""
+    scorer = RowScorer(task)
+    loop = EngineLoop(LOADED.model, LOADED.tokenizer, LoopConfig(max_step_tokens=8, max_seqs=8))
+    for i in range(3):
+        loop.add(Sequence(PREFIXES[0], [30 + i, 31, 32, 33], Scores(scorer), client=i))
+    first = loop.step()
+    assert loop.last_plan.tokens == 8 and len(first) == 2 and scorer.calls == [2]
+    assert len(loop.step()) == 1 and scorer.calls == [2, 1]
+    generating = Sequence(PREFIXES[0], [30, 31], Generate(GenerationConfig(5)))
+    loop.run_until_done([generating])
+    assert loop.stats.tokens_generated == len(generating.result.token_ids) >= 1
+
+
 def Sequence_alone(ids, config):
     seq = Sequence(PREFIXES[0], ids, Generate(config))
     EngineLoop(LOADED.model, LOADED.tokenizer).run_until_done([seq])
