@@ -129,7 +129,7 @@ def test_a_step_counts_every_sequence_it_feeds_against_the_budget(task):
         loop.add(Sequence(PREFIXES[0], [30 + i, 31, 32, 33], Scores(scorer), client=i))
     first = loop.step()
     assert loop.last_plan.tokens == 8 and len(first) == 2 and scorer.calls == [2]
-    assert len(loop.step()) == 1 and scorer.calls == [2, 1]
+    assert len(loop.step()) == 1 and scorer.calls == [2, 1] and loop.stats.steps == 2
     generating = Sequence(PREFIXES[0], [30, 31], Generate(GenerationConfig(5)))
     loop.run_until_done([generating])
     assert loop.stats.tokens_generated == len(generating.result.token_ids) >= 1
