@@ -135,6 +135,27 @@ def test_a_step_counts_every_sequence_it_feeds_against_the_budget(task):
     assert loop.stats.tokens_generated == len(generating.result.token_ids) >= 1
 
 
+def test_prompts_longer_than_the_budget_are_fed_in_chunks_beside_decoding_rows():
+    """Five rows under a 4-token budget, three of them with prompts longer than it: the prompts are fed in chunks
+    beside rows that already decode, no step feeds more than the budget or any row zero tokens, a step of four
+    rows is reached, and every row still gets what it gets alone."""
+    config = GenerationConfig(6)
+    loop = EngineLoop(LOADED.model, LOADED.tokenizer, LoopConfig(max_step_tokens=4, max_seqs=8))
+    prompts = [list(range(30 + i, 40 + i)) for i in range(3)] + [[50], [51]]
+    seqs = [Sequence(PREFIXES[0], ids, Generate(config), client=i) for i, ids in enumerate(prompts)]
+    for seq in seqs:
+        loop.add(seq)
+    widths = []
+    while loop.has_work:
+        plan = loop.schedule()
+        assert plan.tokens <= 4 and all(count >= 1 for _, count in plan.items), plan.items
+        widths.append(len(plan.items))
+        loop.postprocess(plan, loop.run(plan))
+    assert max(widths) == 4, "rows join while prompts are still being fed"
+    for seq in seqs:
+        assert seq.result.token_ids == Sequence_alone(seq.ids, config).result.token_ids
+
+
 def Sequence_alone(ids, config):
     seq = Sequence(PREFIXES[0], ids, Generate(config))
     EngineLoop(LOADED.model, LOADED.tokenizer).run_until_done([seq])
