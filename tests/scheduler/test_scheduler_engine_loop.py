@@ -133,6 +133,9 @@ def test_a_step_counts_every_sequence_it_feeds_against_the_budget(task):
     generating = Sequence(PREFIXES[0], [30, 31], Generate(GenerationConfig(5)))
     loop.run_until_done([generating])
     assert loop.stats.tokens_generated == len(generating.result.token_ids) >= 1
+    for i in range(2):  # 5 tokens, then 5 more do not fit the 3 left: a scoring sequence is fed whole or waits
+        loop.add(Sequence(PREFIXES[0], [40 + i, 41, 42, 43, 44], Scores(scorer), client=i))
+    assert len(loop.step()) == 1 and loop.last_plan.tokens == 5 and len(loop.step()) == 1
 
 
 def test_prompts_longer_than_the_budget_are_fed_in_chunks_beside_decoding_rows():
