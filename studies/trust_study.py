@@ -29,6 +29,7 @@ from prefixcache.engine.confidence import (
 from prefixcache.eval.fit_head import fit_head, single_threaded
 from prefixcache.eval.suggest import choose_rows
 from prefixcache.scheduler.feature_pass import FeatureSet
+from prefixcache.scheduler.feature_store import FeatureStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -304,9 +305,8 @@ def load_store(store: Path, rows_path: Path, task_path: str):
 
     task = load_task(task_path)
     stored = {}
-    for shard in sorted(store.rglob("shard-*.npz")):
-        with np.load(shard) as data:
-            stored.update({str(k): (f, p) for k, f, p in zip(data["hashes"], data["features"], data["prompt"])})
+    for folder in sorted({shard.parent for shard in store.rglob("shard-*.npz")}):  # one folder per model and prompt
+        stored.update(FeatureStore(folder).rows)
     rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
     keys = [text_hash({"text": r["text"]}, task.fields) for r in rows]
     labels = tuple(task.labels)

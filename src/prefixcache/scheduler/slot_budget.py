@@ -56,17 +56,6 @@ class SlotBudget:
         """Bytes of one slot of ``slot_tokens`` tokens (keys and values, every layer)."""
         return self.shape.nbytes(slot_tokens, next(self.model.parameters()).element_size())
 
-    def check_fits(self, own_tokens: int) -> None:
-        """Raise SequenceTooLongError (naming the sizes) when one slot for ``own_tokens`` tokens is larger than
-        ``slot_bytes`` (without a pool; with one, :meth:`make` asks the pool, which raises PoolReservationError)."""
-        if self.pool is not None:
-            return
-        nbytes = self.per_slot(slot_length(own_tokens))
-        if nbytes > self.slot_bytes:
-            raise SequenceTooLongError(
-                f"{own_tokens} tokens of its own need {nbytes} bytes of keys/values, more than this loop's "
-                f"{self.slot_bytes}-byte slot budget")
-
     def make(self, own_tokens: int) -> SlotStore:
         """A new store whose slots hold ``own_tokens`` tokens (rounded up), as many as the bound holds (at most
         ``max_slots``, at least one); with a pool, its bytes reserved there. Drop the old store first (its tensors
@@ -76,12 +65,15 @@ class SlotBudget:
             SequenceTooLongError: (no pool) one slot is larger than ``slot_bytes``.
             PoolReservationError: (a pool) one slot does not fit beside the pinned prefixes and other reservations.
         """
-        self.check_fits(own_tokens)
         tokens = slot_length(own_tokens)
+        per_slot = self.per_slot(tokens)
         param = next(self.model.parameters())
         if self.pool is None:
+            if per_slot > self.slot_bytes:
+                raise SequenceTooLongError(
+                    f"{own_tokens} tokens of its own need {per_slot} bytes of keys/values, more than this loop's "
+                    f"{self.slot_bytes}-byte slot budget")
             return SlotStore.within(self.shape, self.slot_bytes, tokens, param.dtype, param.device, self.max_slots)
-        per_slot = self.per_slot(tokens)
         slots = max(1, min(self.max_slots, self.pool.room(self.owner) // per_slot))
         self.pool.reserve(self.owner, slots * per_slot)
         try:

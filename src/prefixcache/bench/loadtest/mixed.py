@@ -149,7 +149,8 @@ def run_mixed(options: MixedOptions) -> bool:
     from ...model.machine import machine_info, machine_name
 
     dtype = options.served.dtype
-    print(f"\n{machine_name(machine_info(dtype))}; dtype {dtype}; {options.extract_clients} extraction clients and "
+    machine = machine_info(dtype, options.served.threads)
+    print(f"\n{machine_name(machine)}; dtype {dtype}; {options.extract_clients} extraction clients and "
           f"{options.classify_clients} classification clients, one item per request, {options.seconds:.0f} s per lane")
     print("| lane | extraction req/s | classification req/s | idle classify p50 / p99 ms | loaded classify p50 / p99 ms "
           "| p99 loaded / idle | extraction p50 / p99 ms | failures |")
@@ -163,6 +164,6 @@ def run_mixed(options: MixedOptions) -> bool:
         for failure in lane.failures[:5]:
             print(f"[{lane.name}] {failure}")
     if options.json_path:
-        document = {"machine": machine_info(dtype, options.served.threads), "lanes": [lane.__dict__ for lane in lanes]}
+        document = {"machine": machine, "lanes": [lane.__dict__ for lane in lanes]}
         Path(options.json_path).write_text(json.dumps(document, indent=1))
     return not any(lane.failures for lane in lanes)

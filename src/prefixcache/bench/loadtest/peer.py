@@ -190,20 +190,20 @@ def run_peer(options: PeerOptions) -> bool:
               f"or pass another --llama-server)")
     else:
         print("llama-server lane skipped: no llama-server binary (pass --llama-server or set LLAMA_SERVER)")
-    print_table(results, options)
-    if options.json_path:
-        from ...model.machine import machine_info
+    from ...model.machine import machine_info
 
-        document = {"machine": machine_info(options.dtype, options.threads),
-                    "results": [r.__dict__ | {"rate": r.rate} for r in results]}
+    machine = machine_info(options.dtype, options.threads)
+    print_table(results, options, machine)
+    if options.json_path:
+        document = {"machine": machine, "results": [r.__dict__ | {"rate": r.rate} for r in results]}
         Path(options.json_path).write_text(json.dumps(document, indent=1))
     return all(not r.errors for r in results)
 
 
-def print_table(results: list[Result], options: PeerOptions) -> None:
-    from ...model.machine import machine_info, machine_name
+def print_table(results: list[Result], options: PeerOptions, machine: dict) -> None:
+    from ...model.machine import machine_name
 
-    print(f"\n{machine_name(machine_info(options.dtype))}; {options.requests} requests per workload, "
+    print(f"\n{machine_name(machine)}; {options.requests} requests per workload, "
           f"{options.clients} clients, dtype {options.dtype}")
     print("| workload | prefixcache req/s | llama-server req/s | ratio | p99 prefixcache / llama-server | valid |")
     print("|---|---|---|---|---|---|")
