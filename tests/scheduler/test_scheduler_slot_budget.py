@@ -134,6 +134,31 @@ def test_a_store_that_cannot_grow_is_made_again_with_fewer_longer_slots(tiny_lla
     assert pool.stats().reserved_bytes == loop.store.nbytes and pool.stats().evictions == 0
 
 
+def test_long_few_slots_take_a_short_sequence_while_busy_and_are_made_again_at_its_length_when_idle(tiny_llama):
+    """After a long request the store's slots are long and few. A short sequence beside a running one takes a free long
+    slot at once (it does not wait for the store to empty); once the store is idle and its slots are more than twice
+    what a sequence needs, that sequence makes it again at its own length, with the slot count the budget allows."""
+    pool = PrefixPool(PoolConfig(prefix_bytes(tiny_llama) + 2 * per_slot(tiny_llama, 192)))
+    prefix = pool.get(tiny_llama, PREFIX).prefix
+    loop = EngineLoop(tiny_llama.model, tiny_llama.tokenizer, LoopConfig(max_seqs=8), pool)
+    long = generating(prefix, list(range(30, 180)), new_tokens=4)  # 153 tokens of its own: 192-token slots
+    loop.add(long)
+    loop.step()
+    assert (loop.store.slots, loop.store.slot_tokens) == (2, 192)
+    short = generating(prefix, [30, 31])  # 4 tokens of its own: a 64-token slot would do
+    loop.add(short)
+    loop.step()
+    assert short.status == Status.RUNNING and long.status == Status.RUNNING, "the short one took the free long slot"
+    assert (loop.store.slots, loop.store.slot_tokens) == (2, 192)
+    loop.run_until_done()
+    later = generating(prefix, [32, 33])
+    loop.run_until_done([later])
+    assert (loop.store.slots, loop.store.slot_tokens) == (6, 64), "made again: 64-token slots, as many as fit"
+    assert pool.stats().reserved_bytes == loop.store.nbytes == 6 * per_slot(tiny_llama)
+    assert [s.result.token_ids for s in (long, short, later)] == [
+        tokens_alone(tiny_llama, prefix, s.ids, n) for s, n in ((long, 4), (short, 3), (later, 3))]
+
+
 def test_a_loop_dropped_without_closing_gives_its_slots_back(tiny_llama):
     pool = PrefixPool()
     loop = EngineLoop(tiny_llama.model, tiny_llama.tokenizer, LoopConfig(max_seqs=2), pool)
