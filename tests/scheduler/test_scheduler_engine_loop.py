@@ -130,17 +130,19 @@ def test_a_step_counts_every_sequence_it_feeds_against_the_budget(task):
     first = loop.step()
     assert loop.last_plan.tokens == 8 and len(first) == 2 and scorer.calls == [2]
     assert len(loop.step()) == 1 and scorer.calls == [2, 1] and loop.stats.steps == loop.stats.passes == 2
+    assert loop.stats.tokens_fed == 12
     generating = Sequence(PREFIXES[0], [30, 31], Generate(GenerationConfig(5)))
     loop.run_until_done([generating])
     assert loop.stats.tokens_generated == len(generating.result.token_ids) >= 1
     for i in range(2):  # 5 tokens, then 5 more do not fit the 3 left: a scoring sequence is fed whole or waits
         loop.add(Sequence(PREFIXES[0], [40 + i, 41, 42, 43, 44], Scores(scorer), client=i))
     assert len(loop.step()) == 1 and loop.last_plan.tokens == 5 and len(loop.step()) == 1
-    passes, steps = loop.stats.passes, loop.stats.steps
+    passes, steps, fed = loop.stats.passes, loop.stats.steps, loop.stats.tokens_fed
     loop.add(Sequence(PREFIXES[0], [50, 51], Scores(scorer), client=0))
     loop.add(Sequence(PREFIXES[0], [52], Generate(GenerationConfig(2)), client=1))
     loop.step()
     assert (loop.stats.passes - passes, loop.stats.steps - steps) == (2, 1), "a scorer call and a slot pass: two passes"
+    assert loop.stats.tokens_fed - fed == 3
 
 
 def test_prompts_longer_than_the_budget_are_fed_in_chunks_beside_decoding_rows():
