@@ -362,3 +362,32 @@ def test_an_extraction_whose_constraint_fails_is_an_error_for_that_record_only(m
     failed = [i for i, e in enumerate(broken) if e.error is not None and "grammar matcher" in e.error]
     assert len(failed) == 1 and repr(records[failed[0]].id) in broken[failed[0]].error
     assert all(broken[i].to_json() == clean[i].to_json() for i in range(5) if i not in failed)
+
+
+def test_the_loop_makes_its_tensors_on_the_models_device_not_torchs_default(monkeypatch, task):
+    """With ``meta`` as torch's default device, a tensor the loop makes without naming its device holds no data
+    (tests/engine/test_engine_device_placement.py says why this is the CPU suite's device check). A step that
+    mixes a scoring row, greedy and seeded rows and a row whose constraint dead-ends (so the others' logits are
+    picked out of the step's) gives exactly what it gives with the CPU as the default."""
+    from prefixcache.engine import constraint
+
+    def nothing(self, logits, live):
+        logits[:] = float("-inf")
+        return logits
+    monkeypatch.setattr(constraint.ConstrainedRows, "mask_", nothing)
+    scorer, config = RowScorer(task), GenerationConfig(4)
+
+    def run():
+        seqs = [Sequence(PREFIXES[0], [30, 31], Generate(config, constraint=SCHEMA)),
+                Sequence(PREFIXES[0], [30, 32], Generate(config)),
+                Sequence(PREFIXES[1], [33], Generate(config, Sampling(temperature=0.9, seed=3))),
+                Sequence(PREFIXES[0], [34, 35, 36], Scores(scorer))]
+        EngineLoop(LOADED.model, LOADED.tokenizer).run_until_done(seqs)
+        return [(s.status, s.result.token_ids if s.generates and s.result else s.result) for s in seqs]
+
+    expected = run()
+    with torch.device("meta"):
+        got = run()
+    assert expected[0][0] == Status.FAILED and expected[1][0] == expected[2][0] == Status.FINISHED
+    assert [status for status, _ in got] == [status for status, _ in expected]
+    assert got[1:3] == expected[1:3] and torch.equal(got[3][1], expected[3][1])
