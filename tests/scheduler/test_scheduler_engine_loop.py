@@ -228,6 +228,25 @@ def test_cancelling_frees_the_slot_at_the_next_step():
     assert waiting in loop.step() and waiting.status == Status.CANCELLED and waiting.generated == []
 
 
+def test_a_running_sequence_cancelled_while_others_wait_leaves_and_gives_its_slot_to_one_waiting():
+    """The step after a running sequence is cancelled, it leaves (told "cancelled") even while other clients'
+    sequences wait, and a waiting one takes its slot in that same step."""
+    config = GenerationConfig(50)
+    loop = EngineLoop(LOADED.model, LOADED.tokenizer, LoopConfig(max_seqs=2))
+    running = [Sequence(PREFIXES[0], [30, 31, 32], Generate(config), client="a") for _ in range(2)]
+    for seq in running:
+        loop.add(seq)
+    loop.step()
+    waiting = Sequence(PREFIXES[0], [33], Generate(GenerationConfig(2)), client="b")
+    loop.add(waiting)
+    loop.step()
+    assert waiting.status == Status.WAITING and loop.store.free == 0, "no slot is free for it yet"
+    running[0].cancel()
+    left = loop.step()
+    assert left == [running[0]] and (running[0].status, running[0].error) == (Status.CANCELLED, "cancelled")
+    assert waiting.status == Status.RUNNING and running[0] not in loop.running and running[0].slot is None
+
+
 def test_a_row_whose_constraint_fails_fails_alone(monkeypatch):
     config = GenerationConfig(6)
     bad = Sequence(PREFIXES[0], [30, 31], Generate(config, constraint=SCHEMA))
