@@ -105,6 +105,22 @@ def test_generation_equals_the_static_decoder(task):
         assert [s.result.token_ids for s in seqs] == [g.token_ids for g in ref]
 
 
+@pytest.mark.parametrize(("step_tokens", "max_seqs"), [(0, 1), (1, 0), (-3, 4)])
+def test_a_step_bound_below_one_is_refused(step_tokens, max_seqs):
+    with pytest.raises(ValueError, match="^max_step_tokens and max_seqs must be at least 1$"):
+        LoopConfig(step_tokens, max_seqs)
+
+
+def test_the_least_bounds_take_one_token_of_one_sequence_a_step_and_a_new_loop_has_fed_nothing():
+    loop = EngineLoop(LOADED.model, LOADED.tokenizer, LoopConfig(1, 1))
+    assert (loop.last_plan.items, loop.last_plan.tokens) == ([], 0), "a loop that took no step has fed nothing"
+    seqs = [Sequence(PREFIXES[0], [30, 31], Generate(GenerationConfig(2)), client=i) for i in range(2)]
+    loop.run_until_done(seqs)
+    assert loop.stats.steps == loop.stats.tokens_fed == 6, "two prompt tokens and one generated token each"
+    assert [s.result.token_ids for s in seqs] == [Sequence_alone(s.ids, GenerationConfig(2)).result.token_ids
+                                                  for s in seqs]
+
+
 def test_the_step_budget_bounds_tokens_and_chunks_a_long_prompt():
     config = GenerationConfig(3)
     loop = EngineLoop(LOADED.model, LOADED.tokenizer, LoopConfig(max_step_tokens=4, max_seqs=8))
