@@ -248,6 +248,25 @@ def test_a_call_runs_on_the_model_thread_between_steps_and_returns_or_raises():
     assert run_with(ServerSettings(), scenario) == "prefixcache-model"
 
 
+def test_a_call_without_waiting_runs_in_turn_and_only_its_failure_is_logged(caplog):
+    """``call_soon``'s calls run on the model thread in the order given; one that raises is logged once at ERROR
+    with its exception, and one that returns logs nothing (nobody waits on either)."""
+    ran = []
+
+    async def scenario(thread):
+        thread.call_soon(lambda: ran.append(threading.current_thread().name) or 1 / 0)
+        thread.call_soon(lambda: ran.append("second"))
+        await thread.call(lambda: None)  # the inbox is taken in order: both have run when this returns
+
+    with caplog.at_level(logging.DEBUG, logger="prefixcache.server.engine_thread"):
+        run_with(ServerSettings(), scenario)
+    assert ran == ["prefixcache-model", "second"]
+    (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert (record.name, record.levelno, record.getMessage()) == (
+        "prefixcache.server.engine_thread", logging.ERROR, "model-thread call failed")
+    assert record.exc_info[0] is ZeroDivisionError
+
+
 def test_a_cancelled_request_leaves_before_it_runs_and_frees_its_room():
     gate, started = threading.Event(), threading.Event()
     blocker = FakeRunner("blocker", gate=gate, started=started)
