@@ -305,18 +305,23 @@ def test_a_row_whose_grammar_refuses_its_token_fails_alone_and_leaves(monkeypatc
     assert loop.store.free == loop.store.slots
 
 
-def test_a_row_whose_constraint_allows_no_token_fails_alone(monkeypatch):
-    """A constraint that masks every token of a row (a dead end) fails that row with a ConstraintError's message;
-    sampling its all--inf logits would otherwise raise for the whole step."""
-    config = GenerationConfig(6)
-    stuck = Sequence(PREFIXES[0], [30, 31], Generate(config, Sampling(temperature=0.9, seed=1), constraint=SCHEMA))
-    good = Sequence(PREFIXES[0], [30, 32], Generate(config, Sampling(temperature=0.9, seed=2)))
+def constraints_allow_nothing(monkeypatch) -> None:
+    """Every constrained row's mask forbids every token: a dead end at its first pick."""
     from prefixcache.engine import constraint
 
     def nothing(self, logits, live):
         logits[:] = float("-inf")
         return logits
     monkeypatch.setattr(constraint.ConstrainedRows, "mask_", nothing)
+
+
+def test_a_row_whose_constraint_allows_no_token_fails_alone(monkeypatch):
+    """A constraint that masks every token of a row (a dead end) fails that row with a ConstraintError's message;
+    sampling its all--inf logits would otherwise raise for the whole step."""
+    config = GenerationConfig(6)
+    stuck = Sequence(PREFIXES[0], [30, 31], Generate(config, Sampling(temperature=0.9, seed=1), constraint=SCHEMA))
+    good = Sequence(PREFIXES[0], [30, 32], Generate(config, Sampling(temperature=0.9, seed=2)))
+    constraints_allow_nothing(monkeypatch)
     EngineLoop(LOADED.model, LOADED.tokenizer).run_until_done([stuck, good])
     assert stuck.status == Status.FAILED and "allows no next token" in stuck.error
     assert good.status == Status.FINISHED and len(good.result.token_ids) >= 1
@@ -404,12 +409,7 @@ def test_the_loop_makes_its_tensors_on_the_models_device_not_torchs_default(monk
     (tests/engine/test_engine_device_placement.py says why this is the CPU suite's device check). A step that
     mixes a scoring row, greedy and seeded rows and a row whose constraint dead-ends (so the others' logits are
     picked out of the step's) gives exactly what it gives with the CPU as the default."""
-    from prefixcache.engine import constraint
-
-    def nothing(self, logits, live):
-        logits[:] = float("-inf")
-        return logits
-    monkeypatch.setattr(constraint.ConstrainedRows, "mask_", nothing)
+    constraints_allow_nothing(monkeypatch)
     scorer, config = RowScorer(task), GenerationConfig(4)
 
     def run():
