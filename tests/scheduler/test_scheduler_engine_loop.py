@@ -426,3 +426,44 @@ def test_the_loop_makes_its_tensors_on_the_models_device_not_torchs_default(monk
     assert expected[0][0] == Status.FAILED and expected[1][0] == expected[2][0] == Status.FINISHED
     assert [status for status, _ in got] == [status for status, _ in expected]
     assert got[1:3] == expected[1:3] and torch.equal(got[3][1], expected[3][1])
+
+
+@pytest.mark.parametrize("kind", ["generating", "scoring"])
+def test_a_sequence_cancelled_while_its_step_is_scheduled_never_takes_that_step(task, kind):
+    """The race between noticing a client has gone and admitting its sequence: a waiting sequence cancelled (from
+    another thread) after the step has dropped the cancelled ones, but before it is admitted, leaves unfed in that
+    step (told "cancelled", in the step's list of those that left), and the others of the step run."""
+    want = Generate(GenerationConfig(3)) if kind == "generating" else Scores(RowScorer(task))
+    loop = EngineLoop(LOADED.model, LOADED.tokenizer, LoopConfig(max_seqs=4))
+    late, other = (Sequence(PREFIXES[0], [30, 31], want, client=c) for c in ("gone", "stays"))
+    for seq in (late, other):
+        loop.add(seq)
+    dropped = loop._drop_cancelled
+
+    def then_the_client_leaves():
+        left = dropped()
+        late.cancel()  # as the event loop's thread does, between the drop and the admission
+        return left
+
+    loop._drop_cancelled = then_the_client_leaves
+    left = loop.step()
+    assert late in left and (late.status, late.error, late.steps, late.fed) == (Status.CANCELLED, "cancelled", 0, 0)
+    assert [seq for seq, _ in loop.last_plan.items] == [other] and other.steps == 1
+    assert late.slot is None and late not in loop.running and not loop.waiting.get("gone")
+
+
+def test_a_sequence_no_slot_can_hold_fails_unfed_with_a_typed_error_naming_its_tokens():
+    """Without a pool, a sequence longer than ``slot_bytes`` holds fails at admission with SequenceTooLongError
+    (kept as its ``failure``, so an edge can answer a 4xx), never fed; the short one beside it runs."""
+    from prefixcache.errors import SequenceTooLongError
+
+    one_slot = KVShape.of(LOADED.model.config).nbytes(64, 4)
+    loop = EngineLoop(LOADED.model, LOADED.tokenizer, LoopConfig(max_seqs=2, slot_bytes=one_slot))
+    long, short = Sequence(PREFIXES[0], list(range(30, 100)), Generate(GenerationConfig(2))), \
+        Sequence(PREFIXES[0], [30], Generate(GenerationConfig(2)))
+    loop.run_until_done([long, short])
+    assert long.status == Status.FAILED and long.fed == 0 and long.steps == 0
+    assert isinstance(long.failure, SequenceTooLongError) and long.error == str(long.failure)
+    assert "71 tokens of its own" in long.error and "slot budget" in long.error and "max_new_tokens" in long.error
+    assert short.status == Status.FINISHED and short.failure is None
+

@@ -14,14 +14,16 @@
    stays running. A finished sequence gives its slot back at once.
 
 A sequence added between steps joins at the next one; one cancelled leaves at the next one, and its slot is
-freed. What a sequence gets does not depend on what shares its steps (invariant 5): rows never see each
+freed. A waiting sequence is checked for cancellation again at the moment a step admits it (its admission is the
+start of its first step), so one cancelled from another thread while a step is being scheduled never takes a step. What a sequence gets does not depend on what shares its steps (invariant 5): rows never see each
 other, sampling is per row (seeded rows draw from their own generator), and a constraint that fails fails
 only its own row.
 
 The slot store's bytes are bounded by ``LoopConfig.slot_bytes``, or, for a loop given the prefix pool, by the
 pool's budget together with the prefixes (:mod:`prefixcache.scheduler.slot_budget`): the store is sized from
 what the budget leaves, reserved in the pool, and given back by :meth:`~EngineLoop.close`. A sequence for
-which not even one slot fits fails alone (SequenceTooLongError, or the pool's PoolReservationError).
+which not even one slot fits fails alone before it is fed (SequenceTooLongError; with a pool, one that names the
+pool's PoolReservationError), kept as its ``failure``.
 
 Not thread-safe: one thread (the CLI's, or the server's model thread) calls ``add`` and ``step``; only
 :meth:`Sequence.cancel` may be called from elsewhere.
@@ -42,7 +44,7 @@ from ..cache.slots import Feed, SlotStore
 from ..engine.generate import RowOutput
 from ..engine.sampling import TokenPicker, pick_each
 from ..engine.slot_pass import forward_slots
-from ..errors import ConstraintError, PoolBudgetError, SequenceTooLongError
+from ..errors import ConstraintError, PoolBudgetError, PrefixCacheError, SequenceTooLongError
 from .sequence import Generate, Sequence, Status, scorer_group
 from .slot_budget import SlotBudget, slot_length
 
@@ -106,6 +108,7 @@ class EngineLoop:
         self.running: deque[Sequence] = deque()
         self.stats = LoopStats()
         self.last_plan = Scheduled()  # what the last step fed (read after it by whoever drives the loop)
+        self._left: list[Sequence] = []  # sequences that left the queues while this step was scheduled
         self.on_schedule: Callable[[Scheduled], None] | None = None  # told what a step feeds, before it runs
 
     # --- what callers use ---------------------------------------------------------------------------
@@ -133,6 +136,7 @@ class EngineLoop:
         """One step: schedule, run, postprocess. Returns the sequences that finished (or left) in it."""
         left = self._drop_cancelled()
         plan = self.last_plan = self.schedule()
+        left, self._left = left + self._left, []
         if not plan.items:
             return left
         if self.on_schedule is not None:
@@ -166,14 +170,16 @@ class EngineLoop:
 
     def _admit(self, seq: Sequence, plan: Scheduled, budget: int) -> int | None:
         """How many tokens of waiting ``seq`` this step feeds (taking its slot), or None: it waits."""
+        if seq.cancelled:  # cancelled (another thread) since this step dropped the cancelled: it never takes a step
+            self._leave(seq, Status.CANCELLED, "cancelled")
+            return 0
         room = budget - plan.tokens
         if not seq.generates:  # fed whole: alone when longer than the budget
             return len(seq.ids) if len(seq.ids) <= room or not plan.items else None
         try:
             store = self._store_for(seq)
         except (SequenceTooLongError, PoolBudgetError) as exc:  # not even one slot for it: it fails alone
-            self.waiting[seq.client].popleft()
-            self._finish(seq, Status.FAILED, error=str(exc))
+            self._leave(seq, Status.FAILED, failure=_too_long(seq, exc))
             return 0
         if store is None or store.free == 0:
             return None
@@ -182,6 +188,12 @@ class EngineLoop:
         seq.output, seq.picker = RowOutput(self.tokenizer), TokenPicker(want.sampling, 1, seq.prefix.keys[0].device)
         self.running.append(seq)
         return min(len(seq.ids), room)
+
+    def _leave(self, seq: Sequence, status: Status, error: str | None = None, failure: Exception | None = None) -> None:
+        """Waiting ``seq``, first in its client's queue, leaves it unfed (cancelled, or failed at admission)."""
+        self.waiting[seq.client].popleft()
+        self._finish(seq, status, error=error if failure is None else str(failure), failure=failure)
+        self._left.append(seq)
 
     def _store_for(self, seq: Sequence) -> SlotStore | None:
         """The slot store with a slot long enough for ``seq``, or None: ``seq`` waits for running ones to finish.
@@ -338,9 +350,10 @@ class EngineLoop:
             self._finish(seq, Status.FINISHED, result=replace(seq.output.generation, state=seq.prompt_state))
         return done
 
-    def _finish(self, seq: Sequence, status: Status, result=None, error: str | None = None) -> None:
+    def _finish(self, seq: Sequence, status: Status, result=None, error: str | None = None,
+                failure: Exception | None = None) -> None:
         """Record how ``seq`` ended, give its slot back, take it off the running queue, tell its caller."""
-        seq.status, seq.result, seq.error = status, result, error
+        seq.status, seq.result, seq.error, seq.failure = status, result, error, failure
         if seq.slot is not None:
             self.store.give(seq.slot)
             seq.slot = None
@@ -349,3 +362,11 @@ class EngineLoop:
         if seq.on_finish is not None:
             seq.on_finish(seq)
 
+
+def _too_long(seq: Sequence, exc: PrefixCacheError) -> SequenceTooLongError:
+    """The error of ``seq`` for which not even one slot fits (``exc``: the bound's own words, its markers kept)."""
+    if isinstance(exc, SequenceTooLongError):
+        return exc
+    generated = seq.own_tokens - len(seq.ids)
+    return SequenceTooLongError(f"{len(seq.ids)} tokens of its own and up to {generated} generated do not fit: "
+                                f"{exc.args[0]}")

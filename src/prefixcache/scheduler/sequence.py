@@ -85,6 +85,7 @@ class Sequence:
         self.status = Status.WAITING
         self.result: Any = None
         self.error: str | None = None
+        self.failure: Exception | None = None  # the typed error behind ``error``, where the loop has one
         self.cancelled = False
         self.slot: int | None = None  # the slot of its own keys/values (generating, once scheduled)
         self.fed = 0  # own tokens written to its slot so far

@@ -72,7 +72,7 @@ class SlotBudget:
             if per_slot > self.slot_bytes:
                 raise SequenceTooLongError(
                     f"{own_tokens} tokens of its own need {per_slot} bytes of keys/values, more than this loop's "
-                    f"{self.slot_bytes}-byte slot budget")
+                    f"{self.slot_bytes}-byte slot budget; shorten it or lower max_new_tokens")
             return SlotStore.within(self.shape, self.slot_bytes, tokens, param.dtype, param.device, self.max_slots)
         slots = max(1, min(self.max_slots, self.pool.room(self.owner) // per_slot))
         self.pool.reserve(self.owner, slots * per_slot)
