@@ -84,7 +84,11 @@ def test_a_schema_with_no_finite_answer_is_a_400_before_decoding(loaded, task, s
 def test_streams_dropped_while_queued_are_never_run(loaded, task):
     """While the model thread is held, five streams are opened, read to their first event and dropped: their
     sequences leave the engine loop before they are ever fed (only the request sent after them runs), and their
-    room is given back once the model thread has dropped them."""
+    room is given back once the model thread has dropped them.
+
+    No step of the test depends on timing: the model thread is let go only once the server has counted all five
+    requests abandoned (``prefixcache_requests_abandoned_total``: each is counted after its sequences are flagged),
+    so every drop is one the server has noticed before any step could take it; the waits below bound a hang only."""
     import socket
     from urllib.parse import urlparse
 
@@ -92,7 +96,9 @@ def test_streams_dropped_while_queued_are_never_run(loaded, task):
 
     ask = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     with serving(loaded, [task], max_batch=1) as server:
-        before = metric(metric_samples(server), "prefixcache_items_total", task="openai", kind="generate")
+        samples = metric_samples(server)
+        before = metric(samples, "prefixcache_items_total", task="openai", kind="generate")
+        abandoned = metric(samples, "prefixcache_requests_abandoned_total")
         url = urlparse(server.url)
         body = json.dumps(dict(ask, stream=True)).encode()
         with model_thread_held(server):
@@ -105,6 +111,10 @@ def test_streams_dropped_while_queued_are_never_run(loaded, task):
                         chunk = sock.recv(4096)
                         assert chunk, f"the stream ended before its first event: {received!r}"
                         received += chunk
+            deadline = time.monotonic() + 60
+            while metric(metric_samples(server), "prefixcache_requests_abandoned_total") < abandoned + 5:
+                assert time.monotonic() < deadline, "the server never noticed the five clients had gone"
+                time.sleep(0.01)
         deadline = time.monotonic() + 30
         while call(server, "GET", "/v1/stats")[2]["in_progress"] > 0:  # each one's room: kept until the thread drops it
             assert time.monotonic() < deadline, "the dropped streams never gave their room back"

@@ -171,6 +171,7 @@ class EngineThread:
         except asyncio.CancelledError:
             cancelled = True
             job.cancel(self._leave_later(job, release) if release is not None else None)
+            self._metrics.abandoned.inc()  # counted once its sequences are flagged: none of them is admitted after
             raise
         finally:
             self._live.discard(job)

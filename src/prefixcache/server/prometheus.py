@@ -75,6 +75,10 @@ class Metrics:
             "prefixcache_in_progress", "Items admitted and not yet answered (bounded by --max-queue).", registry=r
         )
         self.queue_rejections = Counter("prefixcache_queue_rejections", "Requests refused with 429.", registry=r)
+        self.abandoned = Counter(
+            "prefixcache_requests_abandoned", "Requests whose client went away before their answer (their sequences "
+            "are cancelled: one not yet admitted to a step never runs).", registry=r,
+        )
         self.prefix_bytes = Gauge("prefixcache_prefix_bytes", "Bytes of each task's stored prefix.", ["task"], registry=r)
         self.prefix_tokens = Gauge("prefixcache_prefix_tokens", "Tokens of each task's stored prefix.", ["task"], registry=r)
         self.prefix_builds = Counter("prefixcache_prefix_builds", "Prefix computations.", ["task"], registry=r)
