@@ -30,15 +30,18 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from importlib import resources
+from itertools import islice
 from pathlib import Path
 from typing import IO, BinaryIO, Iterable, Iterator, Mapping
 
 from ..errors import InputError
 from ..types import TEXT_FIELD, Prediction, Record
 from .jsonl import write_line
+from .seen_ids import SeenIds
 
 FORMATS = (".csv", ".jsonl", ".ndjson", ".parquet")
 
@@ -212,13 +215,16 @@ def _checked(where: str, values: dict) -> Row:
 
 def _bad_character(text: str) -> str | None:
     """Describe the first lone surrogate in ``text`` (an undecodable byte or a bad ``\\u`` escape), or None."""
-    for position, char in enumerate(text):
-        code = ord(char)
-        if 0xDC80 <= code <= 0xDCFF:
-            return f"byte 0x{code - 0xDC00:02x} at character {position}"
-        if 0xD800 <= code <= 0xDFFF:
-            return f"unpaired surrogate U+{code:04X} at character {position}"
-    return None
+    found = _SURROGATE.search(text)
+    if found is None:
+        return None
+    position, code = found.start(), ord(found.group())
+    if 0xDC80 <= code <= 0xDCFF:
+        return f"byte 0x{code - 0xDC00:02x} at character {position}"
+    return f"unpaired surrogate U+{code:04X} at character {position}"
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # a str holds one only as an undecodable byte or a lone escape
 
 
 def _undecodable(text: str) -> bool:
@@ -234,39 +240,59 @@ def records_from_rows(rows: Iterable[Row], text_field: str = TEXT_FIELD, id_fiel
 
     ``text_field`` becomes the Record's ``text``. A row missing ``text_field`` still becomes a
     Record (without ``text``), so the runner reports it on its own line instead of dropping it.
+    With ``id_field``, rows are read :data:`ID_CHUNK` at a time and their ids checked against those of every
+    earlier row (:class:`~prefixcache.io.seen_ids.SeenIds`: 16 bytes an id, not the ids themselves).
     """
-    first_seen: dict[object, str] = {}
-    for n, row in enumerate(rows):
-        record_id, id_problem = (n, None) if id_field is None else _row_id(row, id_field, first_seen)
-        problem = row.error or id_problem
-        if problem is not None:
-            yield Record(record_id, {}, error=problem)
-            continue
-        fields = {k: v for k, v in row.fields.items() if k != text_field}
-        if text_field in row.fields:
-            fields["text"] = row.fields[text_field]
-        yield Record(record_id, fields)
+    if id_field is None:
+        for n, row in enumerate(rows):
+            yield _record(row, n, row.error, text_field)
+        return
+    seen, rows = SeenIds(), iter(rows)
+    try:
+        while chunk := list(islice(rows, ID_CHUNK)):
+            for row, (record_id, problem) in zip(chunk, _chunk_ids(chunk, id_field, seen)):
+                yield _record(row, record_id, row.error or problem, text_field)
+    finally:
+        seen.close()
 
 
-def _row_id(row: Row, id_field: str, first_seen: dict[object, str]) -> tuple[object, str | None]:
-    """The row's id from ``id_field`` (remembered in ``first_seen``), or (None, why it has no usable one)."""
+ID_CHUNK = 1024  # rows whose ids are checked for duplicates together
+
+
+def _record(row: Row, record_id: object, problem: str | None, text_field: str) -> Record:
+    """The Record of ``row``: an error Record when there is a ``problem``, else its fields with ``text_field`` as ``text``."""
+    if problem is not None:
+        return Record(record_id, {}, error=problem)
+    fields = {k: v for k, v in row.fields.items() if k != text_field}
+    if text_field in row.fields:
+        fields["text"] = row.fields[text_field]
+    return Record(record_id, fields)
+
+
+def _chunk_ids(chunk: list[Row], id_field: str, seen: SeenIds) -> list[tuple[object, str | None]]:
+    """Each row's id from ``id_field``, or (None, why it has none): missing, of another type, or a duplicate of an
+    earlier row's (remembered in ``seen``). A bad row's id is checked too, so its id is not used twice either."""
+    checked = [_row_id(row, id_field) for row in chunk]
+    usable = [i for i, (value, problem) in enumerate(checked) if problem is None]
+    firsts = seen.first_uses([checked[i][0] for i in usable], [chunk[i].where for i in usable])
+    for i, first in zip(usable, firsts):
+        if first is not None:
+            value = checked[i][0]
+            checked[i] = (None, f"{chunk[i].where}: duplicate id {value!r} (first used at {first}); ids must be unique")
+    return checked
+
+
+def _row_id(row: Row, id_field: str) -> tuple[object, str | None]:
+    """The row's id from ``id_field``, or (None, why it has no usable one); duplicates are :func:`_chunk_ids`'s."""
     value = row.fields.get(id_field)
     if value is None or (isinstance(value, str) and not value.strip()):
         return None, f"{row.where}: missing id field {id_field!r}"
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         return None, f"{row.where}: id field {id_field!r} must be a string or an integer, not {type(value).__name__}"
-    if isinstance(value, str) and _bad_character(value) is not None:
-        return None, f"{row.where}: id field {id_field!r} is not valid UTF-8 text ({_bad_character(value)})"
-    duplicate = _duplicate(value, row.where, first_seen)
-    return (None, duplicate) if duplicate else (value, None)
-
-
-def _duplicate(record_id: object, where: str, first_seen: dict[object, str]) -> str | None:
-    """Record ``record_id`` as seen at ``where``; a message if an earlier row already used it."""
-    if record_id in first_seen:
-        return f"{where}: duplicate id {record_id!r} (first used at {first_seen[record_id]}); ids must be unique"
-    first_seen[record_id] = where
-    return None
+    bad = _bad_character(value) if isinstance(value, str) else None
+    if bad is not None:
+        return None, f"{row.where}: id field {id_field!r} is not valid UTF-8 text ({bad})"
+    return value, None
 
 
 def to_records(rows: Iterable[dict], text_field: str = TEXT_FIELD, id_field: str | None = None) -> Iterator[Record]:
