@@ -174,7 +174,7 @@ def test_recover_missing_empty_and_complete(tmp_path):
     assert resume.recover(path).lines == 0
     path.write_bytes(_line(0) + _line(1, "bad") + _line(2))
     done = resume.recover(path)
-    assert (done.lines, done.failed, done.ids, done.cut_bytes) == (3, 1, [0, 1, 2], 0)
+    assert (done.lines, done.failed, list(done.ids), done.cut_bytes) == (3, 1, [0, 1, 2], 0)
 
 
 @pytest.mark.parametrize("tail", [b'{"id": 3, "lab', _line(3)[:-1], b"\x00" * 4096, b"\x00\x00\x00\n"])

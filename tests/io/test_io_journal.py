@@ -7,6 +7,7 @@ these pin each rule of the journal in-process, one rule per test.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -52,13 +53,19 @@ def test_a_bad_line_before_the_last_is_refused_even_if_it_looks_torn(tmp_path, m
         resume.recover(path)
 
 
+def _listed(done: resume.Recovered) -> resume.Recovered:
+    """``done`` with its ids read into a list, to compare."""
+    return dataclasses.replace(done, ids=list(done.ids))
+
+
 def test_recover_counts_error_lines_and_keeps_string_and_list_ids(tmp_path):
     path = tmp_path / "out.jsonl"
     err = line({"id": "r-2", "label": None, "scores": None, "margin": None, "error": "bad"})
     explicit_null = line({"id": ["k", 3], "label": "a", "error": None})
     path.write_bytes(ok("r-1") + err + explicit_null + err)
     done = resume.recover(path)
-    assert done == resume.Recovered(4, 2, ["r-1", "r-2", ["k", 3], "r-2"], 0)
+    assert _listed(done) == resume.Recovered(4, 2, ["r-1", "r-2", ["k", 3], "r-2"], 0)
+    assert isinstance(done.ids, resume.JournalIds), "the ids are read again from the file, not held"
 
 
 def test_recover_cuts_a_torn_tail_and_makes_the_cut_durable(tmp_path, monkeypatch):
@@ -67,16 +74,16 @@ def test_recover_cuts_a_torn_tail_and_makes_the_cut_durable(tmp_path, monkeypatc
     path = tmp_path / "out.jsonl"
     path.write_bytes(ok(0) + b'{"id": 1, "la')
     done = resume.recover(path)
-    assert (done.lines, done.ids, done.cut_bytes) == (1, [0], len(b'{"id": 1, "la'))
+    assert (done.lines, list(done.ids), done.cut_bytes) == (1, [0], len(b'{"id": 1, "la'))
     assert path.read_bytes() == ok(0)
     assert len(synced) == 1, "the truncation is fsynced"
-    assert resume.recover(path) == resume.Recovered(1, 0, [0], 0), "recovering again cuts nothing"
+    assert _listed(resume.recover(path)) == resume.Recovered(1, 0, [0], 0), "recovering again cuts nothing"
 
 
 def test_a_torn_only_line_leaves_an_empty_file(tmp_path):
     path = tmp_path / "out.jsonl"
     path.write_bytes(b'{"id": 0')
-    assert resume.recover(path) == resume.Recovered(0, 0, [], 8)
+    assert _listed(resume.recover(path)) == resume.Recovered(0, 0, [], 8)
     assert path.read_bytes() == b""
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from itertools import islice
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Iterable, Iterator, Sequence
@@ -47,14 +48,28 @@ class Recovered:
     """What an existing output already holds.
 
     ``lines``: complete prediction lines kept (= input rows done); ``failed``: how many of them
-    are error lines; ``ids``: their ids in order; ``cut_bytes``: size of the torn last line that
-    was removed (0 when there was none).
+    are error lines; ``ids``: their ids in order (from :func:`recover`, a :class:`JournalIds` that reads them
+    again from the file as they are iterated, so a resumed job of many lines holds none of them);
+    ``cut_bytes``: size of the torn last line that was removed (0 when there was none).
     """
 
     lines: int = 0
     failed: int = 0
-    ids: list = field(default_factory=list)
+    ids: Iterable = field(default_factory=list)
     cut_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class JournalIds:
+    """The ids of the first ``lines`` lines of the journal at ``path``, read from it each time they are iterated."""
+
+    path: Path
+    lines: int
+
+    def __iter__(self) -> Iterator:
+        with self.path.open("rb") as fh:
+            for raw in islice(fh, self.lines):
+                yield json.loads(raw)["id"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +92,7 @@ def recover(path: Path) -> Recovered:
     """
     if not path.exists():
         return Recovered()
-    ids, failed, kept_bytes = [], 0, 0
+    lines, failed, kept_bytes = 0, 0, 0
     with path.open("rb") as fh:
         number, raw = 0, fh.readline()
         while raw:
@@ -90,14 +105,14 @@ def recover(path: Path) -> Recovered:
                     f"{path}:{number}: not a prediction line; this file was not written by 'prefixcache classify' "
                     f"or was edited. Move it aside, or choose another {setting('out')}"
                 )
-            ids.append(prediction["id"])
+            lines += 1
             failed += prediction.get("error") is not None
             kept_bytes += len(raw)
             raw = following
     cut = path.stat().st_size - kept_bytes
     if cut:
         _truncate(path, kept_bytes)
-    return Recovered(len(ids), failed, ids, cut)
+    return Recovered(lines, failed, JournalIds(path, lines), cut)
 
 
 def _parse_line(raw: bytes) -> dict | None:
