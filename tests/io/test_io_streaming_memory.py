@@ -5,6 +5,10 @@ over 10,000 and then 1,000,000 rows, and its resident memory is sampled while it
 peaks must lie within 100 MB of each other. This is the slowest test of the suite (a few minutes:
 a million records really are classified and written); it runs in CI like every other.
 
+A cheaper test runs in seconds: rows that all fail (no text field, so no model work) with ``--id-field``, at
+20,000 and 100,000 rows; the exact peaks (each child's ``VmHWM``) may differ by no more than
+:data:`BYTES_PER_ROW` a row. A dict of every id seen cost about 235 bytes a row there (``io/seen_ids.py`` keeps 16).
+
 Also here: the cheap row count behind the progress bar, and streaming pieces (a Parquet file read a
 batch at a time, ``--resume`` skipping done rows as they stream past).
 """
@@ -36,6 +40,7 @@ from tests.support.models import make_tokenizer, save_tiny_model, tiny_config
 from tests.support.tasks import TASK_YAML
 
 ALLOWED_GROWTH = 100 * 2**20
+BYTES_PER_ROW = 96  # peak growth a row allowed between the two cheap runs (16 for the ids, the rest noise)
 
 
 def _smallest_model(tmp_path_factory) -> str:
@@ -105,6 +110,48 @@ def test_a_million_rows_take_no_more_memory_than_ten_thousand(tmp_path_factory, 
         out.unlink()
     growth = peaks[1_000_000] - peaks[10_000]
     assert growth <= ALLOWED_GROWTH, f"peak RSS grew by {growth / 2**20:.0f} MiB from 10k to 1M rows"
+
+
+# The child reports its own peak (VmHWM: the high-water mark of its resident memory since exec) as it exits. Its
+# ru_maxrss would not do: Linux starts a child's count at exec from the parent's (pytest's, with torch) memory.
+REPORT_PEAK = ("import atexit, os, runpy\n"
+               "def report():\n"
+               "    peak = open('/proc/self/status').read().split('VmHWM:')[1].split()[0]\n"
+               "    open(os.environ['PEAK_FILE'], 'w').write(peak)\n"
+               "atexit.register(report)\n"
+               "runpy.run_module('prefixcache', run_name='__main__', alter_sys=True)\n")
+
+
+def _child_peak(args: list[str], log: Path) -> tuple[int, int]:
+    """Run ``python -m prefixcache *args`` to its end; its exit code and its exact peak resident memory in bytes."""
+    peak_file = log.with_suffix(".peak")
+    with log.open("wb") as stderr:
+        code = subprocess.call([sys.executable, "-c", REPORT_PEAK, *args], stdout=subprocess.DEVNULL, stderr=stderr,
+                               env={**os.environ, "PEAK_FILE": str(peak_file)})
+    return code, int(peak_file.read_text()) * 1024  # kB
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the peak is read from /proc/self/status")
+def test_failing_rows_with_ids_take_no_memory_per_row(tmp_path_factory, scratch):
+    model = _smallest_model(tmp_path_factory)
+    (scratch / "task.yaml").write_text(TASK_YAML)
+    peaks = {}
+    for n in (20_000, 100_000):
+        rows = scratch / f"ids-{n}.jsonl"
+        with rows.open("w") as fh:
+            for i in range(n):  # no "text": every row fails before the model, and its id is remembered
+                fh.write(json.dumps({"id": f"ticket-{i:08d}", "body": f"refund ticket {i}"}) + "\n")
+        out = scratch / f"ids-out-{n}.jsonl"
+        code, peaks[n] = _child_peak(["classify", str(rows), "--task", str(scratch / "task.yaml"), "--model", model,
+                                      "--threads", "1", "--id-field", "id", "--out", str(out)], scratch / f"ids-{n}.txt")
+        assert code == 1, (scratch / f"ids-{n}.txt").read_text(errors="replace")[-2000:]
+        with out.open("rb") as fh:
+            assert sum(1 for line in fh if b'"error"' in line) == n
+    per_row = (peaks[100_000] - peaks[20_000]) / 80_000
+    print(f"\n[ids] peak RSS {peaks[20_000] / 2**20:.1f} then {peaks[100_000] / 2**20:.1f} MiB: {per_row:.0f} bytes a row")
+    assert per_row <= BYTES_PER_ROW, (
+        f"peak RSS grew {per_row:.0f} bytes a row from 20,000 to 100,000 failing rows with --id-field "
+        f"({peaks[20_000] / 2**20:.1f} -> {peaks[100_000] / 2**20:.1f} MiB): something keeps every row (or its id) again")
 
 
 def test_count_rows_counts_without_parsing_and_says_none_for_stdin(tmp_path):
