@@ -127,6 +127,13 @@ class PrefixKV:
             tuple(v.clone(memory_format=torch.contiguous_format) for v in self.values),
         )
 
+    def cast(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> PrefixKV:
+        """The same prefix as fresh, contiguous ``dtype`` tensors on ``device`` (a copy even when nothing changes)."""
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(device=device, dtype=dtype).clone(memory_format=torch.contiguous_format)
+
+        return PrefixKV(self.token_ids, tuple(map(moved, self.keys)), tuple(map(moved, self.values)))
+
     def extend(self, model: torch.nn.Module, tail_ids: list[int] | tuple[int, ...]) -> PrefixKV:
         """A new read-only prefix ``self.token_ids + tail_ids``, computing only the tail.
 

@@ -11,7 +11,7 @@ taking the cheapest way to it:
 2. **disk**: the disk tier (:mod:`prefixcache.cache.disk`) holds a verified file;
 3. **extended**: a held entry shares a leading part with it (the same system
    prompt with other examples); that part is reused and only the tail computed;
-4. **computed**: the whole prefix runs through the model.
+4. **computed**: the whole prefix runs through the model; or **tuned**: a fitted prefix, taken as given.
 
 The budget is never exceeded: before anything is computed, the entry's exact
 size is checked (a prefix larger than the budget, or than what pins and reservations
@@ -54,7 +54,7 @@ from .disk import DiskStore, Expected
 from .eviction import POLICIES, EvictionPolicy
 from .kv import KVShape, PrefixKV
 from .layouts import STORAGES, KVStorage, Packed
-from .pool_types import Lookup, LookupInfo, PoolStats, PrefixKey, Source  # noqa: F401  (LookupInfo: re-exported)
+from .pool_types import Lookup, LookupInfo, PoolStats, PrefixKey, Source, TunedPrefix  # noqa: F401  (LookupInfo, TunedPrefix: re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +139,13 @@ class PrefixPool:
 
     # -- the lookup ----------------------------------------------------------
 
-    def get(self, loaded: LoadedModel, token_ids: Sequence[int], pin: bool = False, name: str = "") -> Lookup:
+    def get(
+        self, loaded: LoadedModel, token_ids: Sequence[int], pin: bool = False, name: str = "", tuned: TunedPrefix | None = None
+    ) -> Lookup:
         """The prefix of ``token_ids`` for ``loaded``, from memory, disk, a shared part, or computed.
+
+        With ``tuned`` the entry is that fitted prefix (its ``token_ids`` must be ``token_ids``), held under its own
+        key: from memory or disk as any entry, else taken as given (source ``"tuned"``), never computed or extended.
 
         Modifies the pool: counters, the policy's order, possibly evictions and an insertion
         (and a file write when there is a disk tier). Never modifies a held prefix.
@@ -153,7 +158,9 @@ class PrefixPool:
         """
         started = time.perf_counter()
         ids = tuple(int(t) for t in token_ids)
-        key = PrefixKey.of(loaded, ids)
+        if tuned is not None and tuned.prefix.token_ids != ids:
+            raise ValueError("a tuned prefix stands for its own token ids")
+        key = PrefixKey.of(loaded, ids, tuned.variant if tuned is not None else "")
         with self._lock:
             entry = self._entries.get(key.digest)
             if entry is not None and entry.packed.token_ids == ids:
@@ -161,7 +168,7 @@ class PrefixPool:
             self._count.misses += 1
             need = self.size_of(loaded, len(ids))
             self._check_fits(need, pin, name or key.digest[:12])
-            packed, source, computed = self._obtain(loaded, key, ids, name)
+            packed, source, computed = self._obtain(loaded, key, ids, name, tuned)
             self._insert(loaded, key, packed, pin, name)
             self._count.computed += computed
             self._count.saved += len(ids) - computed
@@ -295,7 +302,7 @@ class PrefixPool:
         return sum(e.nbytes for e in self._entries.values() if e.pinned)
 
     def _obtain(
-        self, loaded: LoadedModel, key: PrefixKey, ids: tuple[int, ...], name: str
+        self, loaded: LoadedModel, key: PrefixKey, ids: tuple[int, ...], name: str, tuned: TunedPrefix | None = None
     ) -> tuple[Packed, Source, int]:
         """The packed entry for ``ids`` and how many tokens were computed. Writes the disk tier when one exists."""
         expected = Expected(key.model, key.dtype, self.storage.name, ids)
@@ -307,7 +314,10 @@ class PrefixPool:
             if read.problem is not None:
                 self._count.disk_rejected += 1
                 log.warning("prefix cache file %s is %s: not used; recomputing it", read.path, read.problem)
-        prefix, source, computed = self._compute(loaded, key, ids)
+        if tuned is not None:
+            prefix, source, computed = tuned.prefix.cast(loaded.dtype, loaded.device), "tuned", 0
+        else:
+            prefix, source, computed = self._compute(loaded, key, ids)
         packed = self.storage.pack(prefix)
         if self.store is not None:
             self._write(key, packed, expected, name)
@@ -328,8 +338,8 @@ class PrefixPool:
         """The held entry (same model and dtype) sharing the longest leading part with ``ids``, and that length."""
         best, best_len = None, 0
         for entry in self._entries.values():
-            if entry.key.model != key.model or entry.key.dtype != key.dtype:
-                continue
+            if entry.key.model != key.model or entry.key.dtype != key.dtype or entry.key.variant or key.variant:
+                continue  # a tuned prefix neither lends nor borrows a leading part
             shared = _common_length(entry.packed.token_ids, ids)
             if shared > best_len:
                 best, best_len = entry, shared

@@ -13,23 +13,37 @@ from typing import Literal, Sequence
 from ..model.load import LoadedModel
 from .kv import PrefixKV
 
-Source = Literal["memory", "disk", "extended", "computed"]
+Source = Literal["memory", "disk", "extended", "computed", "tuned"]
+
+
+@dataclass(frozen=True)
+class TunedPrefix:
+    """A prefix fitted rather than computed (prefix tuning): ``prefix`` stands for its token ids under the key
+    variant ``variant`` (a checksum of the fitted tensors), so it never answers for, nor shares a leading part
+    with, the prefix the model computes from the same tokens."""
+
+    variant: str
+    prefix: PrefixKV = field(repr=False)
 
 
 @dataclass(frozen=True)
 class PrefixKey:
-    """A prefix's identity: ``digest`` hashes model identity, dtype and token ids."""
+    """A prefix's identity: ``digest`` hashes model identity, dtype and token ids, and for a tuned prefix its
+    ``variant`` (the tuned tensors' checksum: :meth:`~prefixcache.cache.kv.PrefixKV.checksum`); "" for a prefix the
+    model computes from its tokens."""
 
     digest: str
     model: str
     dtype: str
     length: int
+    variant: str = ""
 
     @classmethod
-    def of(cls, loaded: LoadedModel, token_ids: Sequence[int]) -> PrefixKey:
+    def of(cls, loaded: LoadedModel, token_ids: Sequence[int], variant: str = "") -> PrefixKey:
         dtype = str(loaded.dtype).removeprefix("torch.")
-        digest = hashlib.sha256(f"{loaded.identity}\0{dtype}\0{','.join(map(str, token_ids))}".encode()).hexdigest()
-        return cls(digest[:40], loaded.identity, dtype, len(token_ids))
+        text = f"{loaded.identity}\0{dtype}\0{','.join(map(str, token_ids))}" + (f"\0tuned:{variant}" if variant else "")
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        return cls(digest[:40], loaded.identity, dtype, len(token_ids), variant)
 
 
 @dataclass(frozen=True)

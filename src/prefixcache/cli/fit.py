@@ -11,7 +11,9 @@ import typer
 
 from .errors import reported, err, out, output_path
 from .loading import load, progress
+from ..eval.tune_config import TUNE_CHOICES, TuneConfig
 from ..types import DEFAULT_FEATURE
+from .options import EpochsOpt, TuneLrOpt, TuneOpt, VirtualTokensOpt
 from .options import BatchOpt, DtypeOpt, IdFieldOpt, LabelFieldOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt
 
 if TYPE_CHECKING:  # annotations only: the command imports these when it runs
@@ -37,9 +39,8 @@ def fit(
     ),
     on_prompt: bool = typer.Option(False, "--on-prompt", help="Fit a head that corrects the prompt's own label scores."),
     folds: int = typer.Option(5, "--folds", min=2, help="Stratified cross-validation folds (capped at the smallest label's rows)."),
-    curve: Optional[str] = typer.Option(
-        None, "--curve", help="Rows per label such as 1,2,5,10,all: held-out accuracy of prompt, head, head on prompt."
-    ),
+    curve: Optional[str] = typer.Option(None, "--curve", help="Rows per label such as 1,2,5,10,all: held-out accuracy "
+                                        "of prompt, head, head on prompt."),
     seed: int = typer.Option(0, "--seed", help="Seed of the folds and the curve's split and samples."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of the cross-validated confusion matrix (and PLOT.curve.png)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
@@ -51,6 +52,10 @@ def fit(
     batch_size: int = BatchOpt,
     field: Optional[str] = typer.Option(
         None, "--field", help="An extraction task's choice field: fit its head on the gold column named as the field."),
+    tune: str = TuneOpt,
+    epochs: int = EpochsOpt,
+    lr: float = TuneLrOpt,
+    virtual_tokens: Optional[int] = VirtualTokensOpt,
 ):
     """Fit a label head on labelled rows: prints the cross-validated eval report and writes the head, calibrated on its
     out-of-fold predictions. With --prompt-only: calibrate the prompt's own scores and write a calibration file.
@@ -60,15 +65,12 @@ def fit(
     from ..eval.fit_curve import parse_shots
     from ..task.definition import load_task
     from ..task.prompt import build_prompt
-
     job = FitJob(train, label_field, text_field, id_field, task, model, dtype, threads, batch_size, out_path)
     if prompt_only:
         return fit_prompt_only(job)
     _check_out(out_path, plot if field is None else None)
-    if field is not None:
-        from .fit_field import fit_field
-
-        return fit_field(job, field, folds, seed, as_json)
+    if field is not None or tune != "head":
+        return _fit_other(job, field, tune, TuneConfig(epochs, lr, seed=seed, virtual_tokens=virtual_tokens), folds, as_json)
     FeatureSpec.parse(feature)  # a bad spec is refused before the model loads
     shots = parse_shots(curve) if curve is not None else None
     spec = load_task(task)
@@ -81,6 +83,21 @@ def fit(
     written = save_head(result.head, out_path)
     _report(fitted, build_prompt(spec, loaded.tokenizer), batch_size, 1000 * seconds / len(rows.records), as_json, plot)
     err.print(f"wrote {written} ({len(features.labels)} labels, {features.features.shape[1]} features, fit {result.seconds:.1f} s)")
+
+
+def _fit_other(job: FitJob, field: Optional[str], tune: str, config: TuneConfig, folds: int, as_json: bool) -> None:
+    """``fit --field`` (a choice field's head) or ``fit --tune prefix`` (a tuned prefix with its head)."""
+    if tune not in TUNE_CHOICES:
+        raise typer.BadParameter(f"{tune!r} is not one of {', '.join(TUNE_CHOICES)}", param_hint="--tune")
+    if field is not None:
+        if tune != "head":
+            raise typer.BadParameter("a choice field's head is a head: drop --tune prefix", param_hint="--tune")
+        from .fit_field import fit_field
+
+        return fit_field(job, field, folds, config.seed, as_json)
+    from .fit_prefix import fit_prefix
+
+    return fit_prefix(job, config, as_json)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import typer
 
 from ..cache.config import STORAGE_NAMES, PoolConfig, format_bytes
 from ..cache.eviction import POLICIES
+from ..eval.tune_config import TuneConfig
 from ..model.catalog import DEFAULT_MODEL, DTYPE_CHOICES
 from ..types import DEFAULT_TASK, LABEL_FIELD, METHODS, MODES, TEXT_FIELD, RunConfig
 
@@ -68,3 +69,11 @@ FieldHeadOpt = typer.Option(
 FieldMinConfidenceOpt = typer.Option(
     None, "--min-confidence", help="FIELD=P: leave FIELD null and flag the record when its confidence is under P; repeatable."
 )
+
+TUNE = TuneConfig()  # fit --tune prefix's defaults
+TuneOpt = typer.Option("head", "--tune", help="What to fit: head (a linear head over the prompt's states) or prefix (the "
+                       "prompt's cached keys/values, tuned with a head; docs/accuracy.md).")
+EpochsOpt = typer.Option(TUNE.epochs, "--epochs", min=1, help="--tune prefix: at most this many epochs.")
+TuneLrOpt = typer.Option(TUNE.lr, "--lr", min=0.0, help="--tune prefix: the prefix's learning rate.")
+VirtualTokensOpt = typer.Option(None, "--virtual-tokens", min=2,
+                                help="--tune prefix: a shorter tuned prefix of K tokens (default: the prompt's).")

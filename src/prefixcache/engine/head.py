@@ -6,6 +6,10 @@ it is the fitted weight of the prompt's own label log-probs, which the linear pa
 Standardization of the features is already folded into ``weight`` and ``bias`` (see
 :func:`fold_standardization`), so applying a head is one ``[B, F] x [F, L]`` product.
 
+A head may carry a *tuned prefix* (``prefix``): the task prompt's keys and values, fitted by gradient descent
+with the head (:mod:`prefixcache.eval.tune_prefix`). Records then follow that prefix instead of the prompt's
+own; everything else about applying the head is the same.
+
 This module knows nothing about files, fitting or records: see :mod:`prefixcache.engine.head_file`
 (save, load, check) and :mod:`prefixcache.eval.fit_head` (the fit).
 """
@@ -34,6 +38,7 @@ class FittedHead:
         bias: ``[L]`` float32.
         prompt_scale: the weight of the prompt's label log-probs in the logits (0: a head from scratch).
         manifest: the head file's manifest when the head was loaded or fitted (model, prompt, training rows).
+        prefix: the tuned prefix records follow (float32, batch 1), or None: they follow the prompt's own.
     """
 
     weight: torch.Tensor
@@ -42,6 +47,7 @@ class FittedHead:
     labels: tuple[str, ...]
     feature: str
     manifest: dict = field(default_factory=dict)
+    prefix: PrefixKV | None = None
 
     def __post_init__(self):
         if self.weight.ndim != 2 or self.weight.shape[0] != len(self.labels) or self.bias.shape != (len(self.labels),):
@@ -60,12 +66,22 @@ class FittedHead:
         return FeatureSpec.parse(self.feature)
 
     def digest(self) -> str:
-        """A hash of what the head computes (weights, bias, labels, feature, prompt scale), 16 hex digits."""
-        content = hashlib.sha256()
-        for tensor in (self.weight, self.bias):
-            content.update(tensor.detach().float().contiguous().cpu().numpy().tobytes())
-        content.update(json.dumps([list(self.labels), self.feature, self.prompt_scale]).encode())
-        return content.hexdigest()[:16]
+        """A hash of what the head computes (weights, bias, labels, feature, prompt scale, tuned prefix), 16 hex
+        digits. Computed once (a head is never changed after it is made)."""
+        if "_digest" not in self.__dict__:
+            content = hashlib.sha256()
+            for tensor in (self.weight, self.bias):
+                content.update(tensor.detach().float().contiguous().cpu().numpy().tobytes())
+            content.update(json.dumps([list(self.labels), self.feature, self.prompt_scale]).encode())
+            if self.prefix is not None:
+                content.update(self.prefix.checksum().encode())
+            self.__dict__["_digest"] = content.hexdigest()[:16]  # a frozen dataclass's own cache
+        return self.__dict__["_digest"]
+
+    @property
+    def tuned(self) -> bool:
+        """Whether records follow a tuned prefix carried by the head."""
+        return self.prefix is not None
 
     @property
     def on_prompt(self) -> bool:

@@ -16,7 +16,11 @@ so saving a loaded head writes the same bytes. The manifest (:data:`MANIFEST_KEY
   cross-validated out-of-fold predictions (:class:`~prefixcache.engine.confidence.Calibration`), and
   ``oof``: those rows' calibrated confidences and whether each was right, from which ``--target-accuracy``
   picks a threshold (:func:`oof_rows`);
-* ``versions``: prefixcache, torch, transformers and scikit-learn.
+* ``versions``: prefixcache, torch, transformers and scikit-learn;
+* ``tuned`` (only in a head with a tuned prefix): how the prefix was fitted (:mod:`prefixcache.eval.tune_prefix`):
+  its length, epochs, learning rate, seed, the held-out rows and their accuracy. The prefix itself is stored
+  beside ``weight`` and ``bias`` as ``prefix.token_ids [P]`` and float32 ``prefix.k.{i}``, ``prefix.v.{i}``
+  ``[1, kv_heads, P, head_dim]`` per layer, and read back bit for bit.
 
 :func:`check` refuses a head against another model, prompt, label set or feature spec.
 """
@@ -34,12 +38,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
 from ..cache.disk import token_hash
+from ..cache.kv import PrefixKV
 from ..errors import HeadMismatchError, InputError, setting
 from ..task.selection import normalize_text
 from .confidence import Calibration, Trust
 from .head import FittedHead
 
 FORMAT = "prefixcache-head/1"
+PREFIX = "prefix."  # the tensor names of a tuned prefix start so
 METADATA_KEY = "prefixcache.head"
 MANIFEST_KEYS = ("format", "model", "dtype", "prefix_sha256", "feature", "labels", "prompt_scale", "training", "cv", "versions")
 VERSIONED = {"prefixcache": "prefixcache", "torch": "torch", "transformers": "transformers", "scikit-learn": "scikit-learn"}
@@ -81,6 +87,8 @@ def save_head(head: FittedHead, path: str | Path) -> Path:
         raise ValueError(f"the head's manifest lacks {missing}")
     manifest = dict(head.manifest, labels=list(head.labels), feature=head.feature, prompt_scale=head.prompt_scale)
     tensors = {"weight": head.weight.float().contiguous(), "bias": head.bias.float().contiguous()}
+    if head.prefix is not None:
+        tensors |= {f"{PREFIX}{name}": t.float() if name != "token_ids" else t for name, t in head.prefix.to_tensors().items()}
     path = Path(path)
     save_file(tensors, str(path), metadata={METADATA_KEY: manifest_json(manifest)})
     return path
@@ -107,10 +115,16 @@ def load_head(path: str | Path) -> FittedHead:
             raise ValueError(f"no {FORMAT} manifest")
         return FittedHead(
             tensors["weight"], tensors["bias"], float(manifest["prompt_scale"]), tuple(manifest["labels"]),
-            manifest["feature"], manifest,
+            manifest["feature"], manifest, _stored_prefix(tensors),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise InputError(f"{str(path)!r} is not a prefixcache head file ({exc}); fit one with `prefixcache fit`") from exc
+
+
+def _stored_prefix(tensors: Mapping[str, torch.Tensor]) -> PrefixKV | None:
+    """The tuned prefix stored in a head file's tensors, or None when it has none."""
+    named = {name.removeprefix(PREFIX): t for name, t in tensors.items() if name.startswith(PREFIX)}
+    return PrefixKV.from_tensors(named) if named else None
 
 
 def head_for(task, head: FittedHead | str | Path | None = None) -> FittedHead | None:
@@ -151,7 +165,7 @@ def describe_head(head: FittedHead | None) -> dict | None:
     cv, training = head.manifest.get("cv", {}), head.manifest.get("training", {})
     return {"feature": head.feature, "on_prompt": head.on_prompt, "labels": len(head.labels),
             "training_rows": training.get("rows"), "cv_accuracy": cv.get("accuracy"), "cv_macro_f1": cv.get("macro_f1"),
-            "fitted_for_task": head.manifest.get("task")}
+            "fitted_for_task": head.manifest.get("task"), "tuned_prefix_tokens": head.prefix.length if head.tuned else None}
 
 
 def check(manifest: Mapping, loaded, prompt, labels: Sequence[str], feature: str | None = None) -> None:

@@ -121,10 +121,16 @@ def last_hidden_packed(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[
     the padding's share of the work saved. The fork is used for this one pass.
     """
     with torch.inference_mode():
-        use_shared_prefix_attention(model)
-        device = prefix.keys[0].device
-        packing = Packing.of([len(r) for r in rows], device)
-        ids = torch.tensor([token for row in rows for token in row], dtype=torch.long, device=device)[None]  # [1, N]
-        positions = (prefix.length + packing.offsets)[None]  # [1, N]: each row counts on from the prefix
-        out = model.base_model(input_ids=ids, position_ids=positions, cache=prefix.fork(1, packing), use_cache=True)
-        return out.last_hidden_state[0, packing.last]  # [B, H]
+        return packed_last_states(model, prefix, rows)
+
+
+def packed_last_states(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """:func:`last_hidden_packed` under whatever grad mode the caller runs: the same pass, differentiable in
+    the prefix's keys and values when they require grad (prefix tuning trains through it). ``[B, H]``."""
+    use_shared_prefix_attention(model)
+    device = prefix.keys[0].device
+    packing = Packing.of([len(r) for r in rows], device)
+    ids = torch.tensor([token for row in rows for token in row], dtype=torch.long, device=device)[None]  # [1, N]
+    positions = (prefix.length + packing.offsets)[None]  # [1, N]: each row counts on from the prefix
+    out = model.base_model(input_ids=ids, position_ids=positions, cache=prefix.fork(1, packing), use_cache=True)
+    return out.last_hidden_state[0, packing.last]  # [B, H]

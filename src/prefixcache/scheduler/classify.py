@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from ..cache.kv import PrefixKV
-from ..cache.pool import PrefixPool
+from ..cache.pool import PrefixPool, TunedPrefix
 from ..engine.confidence import Trust
 from ..engine.forward import score_rows
 from ..engine.head import FittedHead, head_rows
@@ -84,6 +84,8 @@ class Classifier(BoundTask):
         self.prompt: Prompt = build_prompt(task, loaded.tokenizer)
         super().__init__(loaded, task, pool)
         self.fitted_head = head_for(task, head)
+        if self.fitted_head is not None and self.fitted_head.tuned:
+            self.tuned = TunedPrefix(self.fitted_head.digest(), self.fitted_head.prefix)
         self.trust = trust if trust is not None else task_trust(task, self.fitted_head, loaded, self.prompt)
         self.method = self._resolve_method(method)
         self.head = LabelScorer(loaded.model, self.prompt, "first-token" if self.fitted_head else self.method, label_pass)

@@ -183,3 +183,41 @@ def feature_set(rows: Iterable[RowFeatures], loaded: LoadedModel, spec: FeatureS
         labels=labels, feature=str(spec), prefix_hash=token_hash(prefix_ids), model_identity=loaded.identity,
         errors=errors, text_hashes=hashes, dtype=str(loaded.dtype).removeprefix("torch."),
     )
+
+
+@dataclass(frozen=True)
+class OwnRows:
+    """Records' own token ids as fed after the prompt's prefix (what prefix tuning trains on), row for row with
+    ``ids``; ``text_hashes`` as :class:`FeatureSet` keeps them."""
+
+    ids: list
+    rows: list[tuple[int, ...]]
+    text_hashes: list[str]
+    prompt: Prompt
+
+
+def own_rows(loaded: LoadedModel, task: Task, records: list, config: RunConfig = RUN) -> OwnRows:
+    """Tokenize ``records`` as classification does (template, context fit, checked boundary) and keep each one's
+    own tokens after the prompt's prefix (a record whose tokens cross the boundary: its tokens after it).
+
+    Raises:
+        InputError: a record cannot be rendered, does not fit the context, or does not start with the prefix;
+            naming the first :data:`MAX_NAMED`.
+    """
+    collector = FeatureCollector(loaded, task)
+    stored = tuple(collector.prompt.prefix_ids)
+    ids, rows, hashes, errors = [], [], [], {}
+    for item in collector.prepare(records, config):
+        row = item.rows if item.error is None else None
+        if row is not None and item.full:
+            row = tuple(row[len(stored):]) if tuple(row[: len(stored)]) == stored and len(row) > len(stored) else None
+        if row is None:
+            errors[item.record.id] = item.error or "its tokens do not start with the prompt's prefix"
+            continue
+        ids.append(item.record.id)
+        rows.append(tuple(row))
+        hashes.append(text_hash(item.record.fields, task.fields))
+    if errors:
+        named = "; ".join(f"{key!r}: {message}" for key, message in list(errors.items())[:MAX_NAMED])
+        raise InputError(f"{len(errors)} training row(s) cannot be run: {named}")
+    return OwnRows(ids, rows, hashes, collector.prompt)

@@ -18,7 +18,8 @@ generating task makes its own ``_sequences``), and turn an output or an error in
 (``_result``, ``_failed``, ``_tally``).
 
 It owns the task's prefix (built once, or looked up in a :class:`~prefixcache.cache.pool.PrefixPool`
-on every access). ``full`` mode gets the empty prefix, so it re-encodes every prompt; the other
+on every access), or a tuned prefix (``tuned``: fitted, not built; records follow it the same way, and a
+record that crosses its boundary is fed its tokens after it when they start with the prompt's prefix). ``full`` mode gets the empty prefix, so it re-encodes every prompt; the other
 modes get the task's prefix, held for the one call (a pool may evict its entry meanwhile, never from
 under a running call). What a mode means is asked of :class:`~prefixcache.types.Mode`, nowhere else.
 """
@@ -31,7 +32,7 @@ from itertools import islice
 from typing import Callable, Iterable, Iterator, Sequence as Seq
 
 from ..cache.kv import PrefixKV
-from ..cache.pool import LookupInfo, PrefixPool
+from ..cache.pool import LookupInfo, PrefixPool, TunedPrefix
 from ..engine.rows import empty_prefix
 from ..errors import InputError
 from ..model.load import LoadedModel
@@ -93,6 +94,7 @@ class BoundTask:
         self.prefix_seconds = 0.0
         self._prefix: PrefixKV | None = None
         self._empty = empty_prefix(loaded.model)
+        self.tuned: TunedPrefix | None = None  # set: records follow this fitted prefix instead of the prompt's
 
     @property
     def prefix(self) -> PrefixKV:
@@ -104,13 +106,18 @@ class BoundTask:
         Raises:
             PoolBudgetError: (with a pool) the prefix cannot fit in the pool's budget.
         """
+        tuned = self.tuned
         if self.pool is not None:
-            lookup = self.pool.get(self.loaded, self.prompt.prefix_ids, pin=self.task.pin, name=self.task.name)
+            ids = tuned.prefix.token_ids if tuned is not None else self.prompt.prefix_ids
+            lookup = self.pool.get(self.loaded, ids, pin=self.task.pin, name=self.task.name, tuned=tuned)
             self.last_lookup, self.prefix_seconds = lookup.info(), lookup.seconds
             return lookup.prefix
         if self._prefix is None:
             started = time.perf_counter()
-            self._prefix = PrefixKV.build(self.loaded.model, self.prompt.prefix_ids)
+            if tuned is not None:
+                self._prefix = tuned.prefix.cast(self.loaded.dtype, self.loaded.device)
+            else:
+                self._prefix = PrefixKV.build(self.loaded.model, self.prompt.prefix_ids)
             self.prefix_seconds = time.perf_counter() - started
         return self._prefix
 
@@ -160,8 +167,20 @@ class BoundTask:
                 items.append(WorkItem(i, record, error=str(exc)))
         encoded = self.prompt.encode(tokenizer or self.loaded.tokenizer, [t for _, t in texts])
         for (i, _), enc in zip(texts, encoded):
-            items.append(self._route(i, records[i], enc, config))
+            item = self._route(i, records[i], enc, config)
+            items.append(self._after_tuned(item) if self.tuned is not None and item.full else item)
         return sorted(items, key=lambda it: it.index)
+
+    def _after_tuned(self, item: WorkItem) -> WorkItem:
+        """A record routed in full, under a tuned prefix: its tokens after the prompt's prefix, fed after the tuned
+        one, when its whole prompt starts with the prompt's prefix; else failed, named (no text re-encodes a tuned
+        prefix)."""
+        stored = tuple(self.prompt.prefix_ids)
+        if not item.boundary_fallback or tuple(item.rows[: len(stored)]) != stored or len(item.rows) == len(stored):
+            why = "full re-encoding" if not item.boundary_fallback else "its tokens cross the prefix's boundary"
+            return replace(item, rows=None, full=False, error=f"record {item.record.id!r}: a tuned prefix has no text "
+                           f"to re-encode ({why}); run it in cached or batched mode, or without the tuned head")
+        return replace(item, rows=tuple(item.rows[len(stored):]), full=False)
 
     def plan(self, items: Seq[WorkItem], size: int, stored: PrefixKV) -> Iterator[Batch]:
         """Batches of up to ``size`` runnable items, each over one prefix: full re-encodes (and boundary

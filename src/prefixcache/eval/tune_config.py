@@ -1,0 +1,29 @@
+"""How ``fit --tune prefix`` tunes a prefix (:class:`TuneConfig`); torch-free, so the CLI reads its defaults at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import InputError
+
+TUNE_CHOICES = ("head", "prefix")  # what `fit --tune` fits
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """How a prefix is tuned. ``virtual_tokens``: the tuned prefix's length (None: the prompt's whole prefix)."""
+
+    epochs: int = 4
+    lr: float = 3e-3  # the prefix's keys and values (AdamW)
+    head_lr: float = 1e-2  # the linear head, over standardized states
+    batch_size: int = 16
+    holdout: float = 0.2  # share of the rows kept out of training: early stopping and calibration
+    seed: int = 0
+    virtual_tokens: int | None = None
+    patience: int = 2  # epochs without a better held-out accuracy before stopping
+
+    def __post_init__(self):
+        if self.epochs < 1 or self.batch_size < 1 or not 0.0 < self.holdout < 1.0 or self.patience < 1:
+            raise InputError(f"prefix tuning needs epochs >= 1, batch size >= 1, 0 < holdout < 1, patience >= 1 ({self})")
+        if self.virtual_tokens is not None and self.virtual_tokens < 2:
+            raise InputError(f"a tuned prefix needs at least 2 virtual tokens, not {self.virtual_tokens}")

@@ -1,0 +1,274 @@
+"""Prefix tuning: the task's cached prefix fitted by gradient descent on labelled rows, with a linear head.
+
+The trained object has the shape of the product's one object, a :class:`~prefixcache.cache.kv.PrefixKV`: every
+layer's keys and values. It starts from the prompt's own prefix (or, with ``virtual_tokens``, from a shorter one:
+the prompt's first token and its last ``K - 1``, encoded afresh) and is trained through the very pass that serves
+it (:func:`~prefixcache.engine.rows.packed_last_states`: records' own tokens only, packed, over the shared
+prefix); the model's weights stay frozen. Jointly with it a linear head over the final state at each record's last
+token corrects the prompt's first-token label scores, exactly as a :class:`~prefixcache.engine.head.FittedHead`
+on the prompt applies them:
+
+    log_probs = log_softmax(first_token_logprobs(h) + h @ W.T + b)       h [B, H], W [L, H], b [L]
+
+so the result *is* a fitted head that carries its prefix (``FittedHead.prefix``), and every path that takes a
+head serves it unchanged. A stratified part of the rows (``holdout``) is never trained on: it picks the best
+epoch (early stopping) and calibrates the confidence (a temperature, and the rows ``--target-accuracy`` reads).
+
+This module knows nothing about files, flags or printing: see ``prefixcache fit --tune prefix``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..cache.kv import PrefixKV
+from ..engine.confidence import Calibration, confidence_and_correct, expected_calibration_error, fit_temperature
+from ..engine.head import FittedHead, fold_standardization
+from ..engine.head_file import FORMAT, library_versions, prefix_hash
+from ..engine.rows import last_hidden_packed, packed_last_states
+from ..engine.scoring import LabelScorer
+from ..errors import InputError
+from ..model.load import LoadedModel
+from .tune_config import TuneConfig
+
+MIN_ERRORS = 5  # wrong held-out rows needed before a temperature is fitted (else the identity)
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One epoch's figures: mean training loss, held-out accuracy and loss, wall seconds so far."""
+
+    epoch: int
+    train_loss: float
+    heldout_accuracy: float
+    heldout_loss: float
+    seconds: float
+
+
+@dataclass(frozen=True, eq=False)
+class Tuned:
+    """What :func:`tune_prefix` returns: the head (with its tuned prefix; ``manifest`` left to the caller),
+    the epochs' figures, the untuned start's held-out accuracy, the calibration fitted on the held-out rows,
+    and those rows' calibrated confidences and correctness."""
+
+    head: FittedHead
+    epochs: list[Epoch]
+    best_epoch: int
+    start_accuracy: float  # held-out accuracy of the untuned prompt's first-token scores
+    calibration: Calibration
+    heldout: np.ndarray  # [M] indices of the held-out rows
+    confidence: np.ndarray  # [M] calibrated
+    correct: np.ndarray  # [M]
+    ece: tuple[float, float]  # held-out calibration error, (raw, calibrated)
+    seconds: float = 0.0
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def heldout_accuracy(self) -> float:
+        return float(self.correct.mean()) if len(self.correct) else float("nan")
+
+
+@dataclass
+class _Params:
+    """What training changes: the prefix's keys and values (float32 leaves) and the head over standardized states."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    weight: torch.Tensor  # [L, H]
+    bias: torch.Tensor  # [L]
+    token_ids: tuple[int, ...]
+
+    def prefix(self, dtype: torch.dtype) -> PrefixKV:
+        """The prefix in the model's dtype (differentiable casts of the leaves)."""
+        return PrefixKV(self.token_ids, tuple(k.to(dtype) for k in self.keys), tuple(v.to(dtype) for v in self.values))
+
+    def snapshot(self) -> _Params:
+        clone = lambda ts: [t.detach().clone() for t in ts]  # noqa: E731
+        return _Params(clone(self.keys), clone(self.values), self.weight.detach().clone(), self.bias.detach().clone(),
+                       self.token_ids)
+
+
+def start_prefix(loaded: LoadedModel, prefix_ids: Sequence[int], virtual_tokens: int | None) -> PrefixKV:
+    """The prefix training starts from: the prompt's own, or a ``virtual_tokens``-long one made of its first token
+    (the attention sink every record leans on) and its last ``K - 1`` (the lead-in right before a record)."""
+    ids = tuple(int(t) for t in prefix_ids)
+    if virtual_tokens is not None and virtual_tokens < len(ids):
+        ids = ids[:1] + ids[len(ids) - virtual_tokens + 1:]
+    return PrefixKV.build(loaded.model, ids)
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What a caller hears while tuning: ``on_batch(rows, loss)`` after each training batch, ``on_epoch(Epoch)``
+    after each epoch."""
+
+    on_batch: Callable[[int, float], None] | None = None
+    on_epoch: Callable[[Epoch], None] | None = None
+
+
+def tune_prefix(
+    loaded: LoadedModel,
+    scorer: LabelScorer,
+    prefix_ids: Sequence[int],
+    rows: Sequence[Sequence[int]],
+    gold: np.ndarray,
+    config: TuneConfig = TuneConfig(),
+    hooks: Hooks = Hooks(),
+) -> Tuned:
+    """Tune the prefix of ``prefix_ids`` and a head on ``rows`` (each record's own token ids, as fed after the
+    prompt's prefix) with ``gold [N]`` label indices into ``scorer.labels``.
+
+    Deterministic for a seed on one machine and thread count. The model is only read.
+
+    Raises:
+        InputError: fewer than 4 rows (some must be held out).
+    """
+    started = time.perf_counter()
+    torch.manual_seed(config.seed)
+    train, heldout = split_rows(gold, config.holdout, config.seed)
+    trainer = _Trainer(loaded, scorer, rows, gold, config, _start(loaded, scorer, prefix_ids, rows, train, config))
+    start_accuracy = float((trainer.log_probs(heldout).argmax(1) == gold[heldout]).mean())
+    best, best_key, epochs, stale = trainer.params.snapshot(), (-1.0, 0.0), [], 0
+    order = np.random.default_rng(config.seed)
+    for epoch in range(1, config.epochs + 1):
+        loss = trainer.train_epoch(order.permutation(train), hooks.on_batch)
+        logprobs = trainer.log_probs(heldout)
+        figures = Epoch(epoch, loss, float((logprobs.argmax(1) == gold[heldout]).mean()),
+                        float(-logprobs[np.arange(len(heldout)), gold[heldout]].mean()), time.perf_counter() - started)
+        epochs.append(figures)
+        if hooks.on_epoch is not None:
+            hooks.on_epoch(figures)
+        if (figures.heldout_accuracy, -figures.heldout_loss) > best_key:
+            best, best_key, stale = trainer.params.snapshot(), (figures.heldout_accuracy, -figures.heldout_loss), 0
+        elif (stale := stale + 1) >= config.patience:
+            break
+    trainer.params = best
+    calibration, confidence, correct, ece = calibrate(trainer.log_probs(heldout), gold[heldout])
+    best_epoch = max(range(len(epochs)), key=lambda i: (epochs[i].heldout_accuracy, -epochs[i].heldout_loss)) + 1
+    return Tuned(trainer.head(), epochs, best_epoch, start_accuracy, calibration, heldout, confidence, correct, ece,
+                 time.perf_counter() - started)
+
+
+def split_rows(gold: np.ndarray, holdout: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row indices to train on and to hold out, stratified by label where every label has two rows or more.
+
+    Raises:
+        InputError: too few rows to hold any out, or to train on.
+    """
+    from sklearn.model_selection import train_test_split
+
+    index = np.arange(len(gold))
+    counts = np.bincount(gold)
+    stratify = gold if counts[counts > 0].min() >= 2 and round(holdout * len(gold)) >= len(counts[counts > 0]) else None
+    if len(gold) < 4:
+        raise InputError(f"prefix tuning needs at least 4 labelled rows (some held out to stop and calibrate on), "
+                         f"got {len(gold)}")
+    train, heldout = train_test_split(index, test_size=holdout, random_state=seed, stratify=stratify)
+    return np.sort(train), np.sort(heldout)
+
+
+def calibrate(logprobs: np.ndarray, gold: np.ndarray) -> tuple[Calibration, np.ndarray, np.ndarray, tuple[float, float]]:
+    """A temperature fitted on held-out ``logprobs [M, L]`` (the identity under :data:`MIN_ERRORS` wrong rows),
+    those rows' calibrated confidences and correctness, and the (raw, calibrated) calibration error."""
+    wrong = int((logprobs.argmax(1) != gold).sum())
+    calibration = fit_temperature(logprobs, gold) if wrong >= MIN_ERRORS else Calibration(1.0, 0)
+    raw = expected_calibration_error(*confidence_and_correct(logprobs, gold))
+    confidence, correct = confidence_and_correct(calibration.apply(logprobs), gold)
+    return calibration, confidence, correct, (raw, expected_calibration_error(confidence, correct))
+
+
+@dataclass(frozen=True)
+class _Start:
+    """Where training starts: the parameters (the start prefix as float32 leaves, a zero head) and the training rows'
+    final-state mean and scale ``[H]`` under the start prefix, which standardize what the head reads."""
+
+    params: _Params
+    mean: torch.Tensor
+    scale: torch.Tensor
+
+
+def _start(loaded, scorer, prefix_ids, rows, train, config: TuneConfig) -> _Start:
+    prefix = start_prefix(loaded, prefix_ids, config.virtual_tokens)
+    states = torch.cat([last_hidden_packed(loaded.model, prefix, [rows[i] for i in chunk]).float()
+                        for chunk in np.array_split(train, max(1, len(train) // 32))])  # [N_train, H]
+    leaves = lambda ts: [t.detach().float().clone().requires_grad_(True) for t in ts]  # noqa: E731
+    weight = torch.zeros(len(scorer.labels), states.shape[1], requires_grad=True)  # [L, H]
+    bias = torch.zeros(len(scorer.labels), requires_grad=True)  # [L]
+    params = _Params(leaves(prefix.keys), leaves(prefix.values), weight, bias, prefix.token_ids)
+    return _Start(params, states.mean(0), states.std(0).clamp_min(1e-4))
+
+
+class _Trainer:
+    """The training state of one :func:`tune_prefix` call: the model and rows it reads, the parameters it changes."""
+
+    def __init__(self, loaded: LoadedModel, scorer: LabelScorer, rows, gold: np.ndarray, config: TuneConfig, start: _Start):
+        self.loaded, self.scorer, self.rows, self.gold, self.config = loaded, scorer, rows, gold, config
+        self.params, self.mean, self.scale = start.params, start.mean, start.scale
+        self.optimizer = torch.optim.AdamW([{"params": self.params.keys + self.params.values, "lr": config.lr},
+                                            {"params": [self.params.weight, self.params.bias], "lr": config.head_lr}],
+                                           weight_decay=0.0)
+
+    def batch_log_probs(self, index: Sequence[int]) -> torch.Tensor:
+        """The head's label log-probs ``[B, L]`` of the rows at ``index`` (differentiable under grad mode)."""
+        params = self.params
+        hidden = packed_last_states(self.loaded.model, params.prefix(self.loaded.dtype), [self.rows[i] for i in index])
+        standard = (hidden.float() - self.mean) / self.scale  # [B, H]
+        return torch.log_softmax(self.scorer.first_token(hidden) + standard @ params.weight.T + params.bias, dim=-1)
+
+    def train_epoch(self, order: np.ndarray, on_batch) -> float:
+        """One pass over the training rows in ``order``, in batches; returns the mean loss."""
+        total, size = 0.0, self.config.batch_size
+        for start in range(0, len(order), size):
+            chunk = order[start : start + size]
+            loss = torch.nn.functional.nll_loss(self.batch_log_probs(chunk), torch.as_tensor(self.gold[chunk]))
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            total += float(loss.detach()) * len(chunk)
+            if on_batch is not None:
+                on_batch(len(chunk), float(loss.detach()))
+        return total / max(len(order), 1)
+
+    def log_probs(self, index: np.ndarray) -> np.ndarray:
+        """Label log-probs ``[len(index), L]`` of the rows at ``index``, without grad."""
+        step = 2 * self.config.batch_size
+        with torch.inference_mode():
+            parts = [self.batch_log_probs(index[s : s + step]) for s in range(0, len(index), step)]
+        return torch.cat(parts).float().numpy() if parts else np.zeros((0, len(self.scorer.labels)), np.float32)
+
+    def head(self) -> FittedHead:
+        """The parameters as a head on the prompt (prompt scale 1) over raw ``last`` states, with its prefix."""
+        params = self.params
+        weight, bias = fold_standardization(params.weight.detach().numpy(), params.bias.detach().numpy(),
+                                            self.mean.numpy(), self.scale.numpy())
+        prefix = PrefixKV(params.token_ids, tuple(k.detach().float().contiguous() for k in params.keys),
+                          tuple(v.detach().float().contiguous() for v in params.values))
+        return FittedHead(weight, bias, 1.0, tuple(self.scorer.labels), "last", {}, prefix)
+
+
+def tuned_manifest(tuned: Tuned, loaded: LoadedModel, own, config: TuneConfig, task: str) -> dict:
+    """The head file's manifest for a tuned prefix (:mod:`~prefixcache.engine.head_file`): the model, the prompt it
+    was tuned from, the labels, every training row's text hash (held-out rows included: ``eval`` refuses them all),
+    ``cv`` (the held-out figures), the held-out calibration and rows, and ``tuned`` (how and how well)."""
+    head = tuned.head
+    figures = {"accuracy": tuned.heldout_accuracy, "heldout_rows": len(tuned.correct), "folds": 0,
+               "prompt_accuracy": tuned.start_accuracy, "ece_raw": tuned.ece[0], "ece_calibrated": tuned.ece[1]}
+    return {
+        "format": FORMAT, "model": loaded.identity, "dtype": str(loaded.dtype).removeprefix("torch."),
+        "prefix_sha256": prefix_hash(own.prompt), "feature": head.feature, "labels": list(head.labels),
+        "prompt_scale": head.prompt_scale, "task": task,
+        "training": {"rows": len(own.ids), "text_sha256": sorted(set(own.text_hashes))},
+        "cv": figures, "versions": library_versions(),
+        "calibration": tuned.calibration.to_json(),
+        "oof": {"confidence": [round(float(c), 5) for c in tuned.confidence], "correct": [int(k) for k in tuned.correct]},
+        "tuned": {"prefix_tokens": head.prefix.length, "prompt_tokens": len(own.prompt.prefix_ids),
+                  "epochs": [vars(e) for e in tuned.epochs], "best_epoch": tuned.best_epoch,
+                  "lr": config.lr, "head_lr": config.head_lr, "batch_size": config.batch_size, "holdout": config.holdout,
+                  "seed": config.seed, "seconds": round(tuned.seconds, 1), "heldout_accuracy": tuned.heldout_accuracy,
+                  "untuned_heldout_accuracy": tuned.start_accuracy},
+    }
