@@ -155,6 +155,16 @@ class RequestLimitError(ServerError):
     """The request as a whole breaks a limit (too many items)."""
 
 
+class RequestTooLargeError(ServerError):
+    """A request (or one item of it) needs more keys/values than the server's cache budget can ever hold for it,
+    however idle the server: it is refused before it is queued. ``item`` (an item's index) or ``param`` (an
+    OpenAI-style field) names what to shorten."""
+
+    def __init__(self, message: str, item: int | None = None, param: str | None = None):
+        super().__init__(message)
+        self.item, self.param = item, param
+
+
 class TaskUploadError(ServerError):
     """An uploaded task cannot be served (name mismatch, prefix too long, too many labels or examples, too many
     tasks, unsupported kind or media type)."""

@@ -30,17 +30,12 @@ from fastapi import FastAPI, Path, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from ..errors import (
-    InputError, ItemError, PoolBudgetError, PrefixCacheError, PromptError, QueueFullError, ReadOnlyTaskError,
-    RequestLimitError,
-    RequestFieldError, ShuttingDownError, TaskError, TaskTooLargeError, TaskUploadError, UnknownModelError, UnknownTaskError,
-    WrongTaskKindError, neutral_spelling,
-)
+from ..errors import PrefixCacheError, QueueFullError
 from ..model.load import LoadedModel
 from ..task.definition import ExtractTask, Task
 from .prometheus import Metrics
 from .openai_routes import BODY_SCHEMAS, OPENAI_PATHS, add_openai_routes, openai_error
-from .middleware import CLIENT, PUBLIC_PATHS, ROLE, BearerAuth, BodyLimit, RequestMetrics, admin_only
+from .middleware import CLIENT, ERROR, PUBLIC_PATHS, REQUEST_ID, ROLE, BearerAuth, BodyLimit, RequestMetrics, admin_only
 from .runners import RUNNER_KINDS
 from .schemas import (
     ClassifyResponse, ErrorOut, ExtractResponse, Health, ItemsRequest, Stats, TaskInfo, TaskList, UsageOut,
@@ -48,6 +43,7 @@ from .schemas import (
 )
 from .service import Service
 from .settings import ServerSettings
+from .http_errors import http_spelling, status_of  # noqa: F401  (http_spelling: read here by tests)
 from .uploads import UploadParser
 
 TASK_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -87,6 +83,7 @@ def create_app(
     app.state.settings = settings
     _routes(app, service, uploads)
     app.add_exception_handler(PrefixCacheError, _error_response)
+    app.add_exception_handler(Exception, _unexpected_response)  # Starlette's last resort: a server fault, 500
     app.add_exception_handler(RequestValidationError, _validation_response)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(BearerAuth, key=settings.api_key, admin_key=settings.admin_key)
@@ -210,7 +207,9 @@ async def _error_response(request: Request, exc: PrefixCacheError) -> JSONRespon
     """The one place domain errors become HTTP answers (``PREFIXCACHE_DEBUG=1`` re-raises instead)."""
     if os.environ.get("PREFIXCACHE_DEBUG"):
         raise exc
-    status = _status(exc)
+    status = status_of(exc)
+    if request is not None:
+        request.scope[ERROR] = exc  # a 5xx is logged with it (middleware.RequestMetrics)
     headers = {"retry-after": str(exc.retry_after)} if isinstance(exc, QueueFullError) else None
     if request is not None and request.url.path in OPENAI_PATHS:
         body = openai_error(exc.render(http_spelling), status, getattr(exc, "param", None))
@@ -221,43 +220,17 @@ async def _error_response(request: Request, exc: PrefixCacheError) -> JSONRespon
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+async def _unexpected_response(request: Request, exc: Exception) -> JSONResponse:
+    """An error none of ours: a server fault. 500, naming the request's id (its log line holds the traceback)."""
+    rid = request.scope.get(REQUEST_ID)
+    message = f"internal server error (request id {rid}): the server logged it; retry, and report the id if it persists"
+    body = openai_error(message, 500) if request.url.path in OPENAI_PATHS else {"detail": message}
+    return JSONResponse(body, status_code=500, headers={"x-request-id": rid} if rid else None)
+
+
 async def _validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
     """A body that breaks the schema: 422 with FastAPI's list of errors, made safe to send (NaN, lone surrogates)."""
     return JSONResponse(validation_error_body(exc.errors()), status_code=422)
-
-
-# A library setting named in an error (``errors.setting``) as an HTTP client can act on it: a field of the task
-# it uploads, or a setting the server was started with (the operator's to change).
-TASK_FIELDS = {"head": "head"}
-SERVER_SETTINGS = {"method": "method", "cache_budget": "cache_budget_bytes", "model": "model"}
-
-
-def http_spelling(name: str, value: str | None = None) -> str:
-    """``head`` -> ``the task's field 'head'``; ``("method", "full")`` -> ``the server's setting method="full"``;
-    a setting this server does not have keeps its neutral name and says so."""
-    if name in TASK_FIELDS:
-        return f"the task's field {TASK_FIELDS[name]!r}" + ("" if value is None else f' set to "{value}"')
-    if name in SERVER_SETTINGS:
-        return f"the server's setting {neutral_spelling(SERVER_SETTINGS[name], value)}"
-    return f"{neutral_spelling(name, value)} (not a setting of this server)"
-
-
-# An error type's HTTP status; the first entry the error is an instance of wins, anything else is a 500.
-STATUS: tuple[tuple[type[PrefixCacheError], int], ...] = (
-    ((UnknownTaskError, UnknownModelError), 404),
-    (RequestFieldError, 400),
-    (TaskTooLargeError, 413),
-    ((WrongTaskKindError, ItemError, RequestLimitError, TaskUploadError), 422),
-    (ReadOnlyTaskError, 403),
-    (QueueFullError, 429),
-    (ShuttingDownError, 503),
-    ((TaskError, PromptError, InputError), 422),
-    (PoolBudgetError, 503),  # a pass's prefix no longer fits (pinned prefixes fill the pool)
-)
-
-
-def _status(exc: PrefixCacheError) -> int:
-    return next((status for kinds, status in STATUS if isinstance(exc, kinds)), 500)
 
 
 def _web_page() -> tuple[str, str]:

@@ -259,8 +259,8 @@ class EngineThread:
         except StopIteration:
             release_freed_memory()  # the chunks' transient copies were many passes' worth
         except Exception as exc:
-            log.warning("a prefix built in chunks for %r failed; its request goes on without it", job.runner.task.name,
-                        exc_info=exc)
+            log.warning("request %s: a prefix built in chunks for %r failed; it goes on without it", job.request_id,
+                        job.runner.task.name, exc_info=exc)
         self._building.popleft()
         self._make(job)
 
@@ -273,7 +273,7 @@ class EngineThread:
         try:
             made = job.runner.sequences(job.items)
         except Exception as exc:
-            log.error("sequences for %r could not be made", job.runner.task.name, exc_info=exc)
+            log.error("request %s: sequences for %r could not be made", job.request_id, job.runner.task.name, exc_info=exc)
             self._queued(-len(job.items))
             job.left(len(job.items), self._aio)
             self._aio.call_soon_threadsafe(resolve, job.future, None, exc)
@@ -314,7 +314,9 @@ class EngineThread:
         try:
             self.engine.step()
         except Exception as exc:  # a step that raised outside any one sequence: its sequences fail, the loop goes on
-            log.error("an engine step failed", exc_info=exc)
+            requests = sorted({str(job.request_id) for seq, _ in self.engine.last_plan.items
+                               if (job := self._jobs.get(id(seq))) is not None})
+            log.error("an engine step failed (requests %s)", ", ".join(requests) or "none", exc_info=exc)
             self._fail_scheduled(exc)
             self._forget_done()
             return

@@ -8,6 +8,7 @@ This module knows nothing about HTTP, tokenizers or the model.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -15,6 +16,11 @@ from typing import Callable, Hashable, Sequence as Seq
 
 from ..scheduler.sequence import Sequence
 from .runners import TaskRunner
+
+
+REQUEST_ID_VAR: contextvars.ContextVar[str | None] = contextvars.ContextVar("prefixcache_request_id", default=None)
+"""The id of the request the running task serves (None outside one; the HTTP middleware sets it): a job keeps it,
+so that what the model thread logs for a request names it."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class Job:
     alive: int = field(init=False)  # items whose sequence has not left the loop (or was never made)
     on_left: Callable[[], None] | None = None  # run on the event loop once ``alive`` is 0 (a deferred hold)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    request_id: str | None = field(default_factory=REQUEST_ID_VAR.get)  # made on the event loop, in its request's task
 
     def __post_init__(self):
         self.results = [None] * len(self.items)

@@ -3,8 +3,11 @@
 Each is a plain ASGI wrapper, so it also covers routes FastAPI builds itself
 (``/docs``, ``/openapi.json``) and requests that match no route.
 
-* :class:`RequestMetrics` times every request and counts it by route template
-  (``/v1/tasks/{name}``, never the raw path, so labels stay bounded) and status.
+* :class:`RequestMetrics` gives every request its id (:data:`REQUEST_ID`: the client's ``X-Request-Id`` when it
+  is a short plain token, else a new one; sent back as ``X-Request-Id``), times it and counts it by route template
+  (``/v1/tasks/{name}``, never the raw path, so labels stay bounded) and status. A 5xx is logged at ERROR with the
+  id (and the error, with its traceback when none of ours handled it) and counted in
+  ``prefixcache_server_errors_total``; a request whose client left before any answer is counted as 499, not 500.
 * :class:`BearerAuth`: two keys, each compared in constant time. When the client
   key is configured, every path but the public ones needs ``Authorization: Bearer
   <key>`` (the client key or the admin key). When the admin key is configured,
@@ -21,12 +24,18 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
+import re
 import time
+import uuid
 from typing import Awaitable, Callable
 
+from .jobs import REQUEST_ID_VAR
 from .openai_errors import error_body
 from .prometheus import Metrics
 from .settings import ADMIN_KEY_ENV
+
+log = logging.getLogger(__name__)
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
@@ -62,7 +71,7 @@ async def send_json(send: Send, status: int, body: dict, headers: list[tuple[byt
 
 
 class RequestMetrics:
-    """Count and time every HTTP request by method, route template and status code."""
+    """Give every HTTP request its id; count and time it by method, route template and status code; log a 5xx."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics):
         self.app = app
@@ -73,19 +82,61 @@ class RequestMetrics:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        status = {"code": 500}
+        rid = scope[REQUEST_ID] = request_id(scope["headers"])
+        REQUEST_ID_VAR.set(rid)  # this request's task (and the tasks it starts) log with it
+        status = {"code": None}
 
         async def send_and_note(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                message = dict(message, headers=[*message.get("headers", []), (b"x-request-id", rid.encode())])
             await send(message)
 
+        failure: BaseException | None = None
         try:
             await self.app(scope, receive, send_and_note)
+        except Exception as exc:  # none of ours handled it: a server fault (Starlette answers 500)
+            failure = exc
+            raise
         finally:
+            code = status["code"] or (500 if failure is not None else CLIENT_GONE)
             route = scope.get("route")
             template = getattr(route, "path", None) or "(unmatched)"
-            self.metrics.record_request(scope["method"], template, status["code"], time.perf_counter() - started)
+            self.metrics.record_request(scope["method"], template, code, time.perf_counter() - started)
+            if code >= 500:
+                self._server_error(scope, template, code, failure)
+
+    def _server_error(self, scope: Scope, template: str, code: int, failure: BaseException | None) -> None:
+        error = failure or scope.get(ERROR)
+        log.error("request %s: %s %s answered %d: %s", scope[REQUEST_ID], scope["method"], scope["path"], code,
+                  f"{type(error).__name__}: {error}" if error is not None else "(no error recorded)",
+                  exc_info=failure)
+        self.metrics.server_errors.labels(template, str(code)).inc()
+
+
+CLIENT_GONE = 499
+"""The status counted for a request whose client went away before any answer was sent (nginx's "client closed
+request"): nothing was answered, so it is neither the client's error nor a server fault."""
+
+REQUEST_ID = "prefixcache.request_id"
+"""The scope key of the request's id (also the ``X-Request-Id`` answer header, and every 5xx log line)."""
+
+ERROR = "prefixcache.error"
+"""The scope key where the app's error handler leaves the domain error it answered (the 5xx log line names it)."""
+
+_SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def request_id(headers) -> str:
+    """The client's ``X-Request-Id`` when it is a plain token of at most 64 characters (so a log line cannot be
+    forged or flooded through it), else a new random one."""
+    for name, value in headers:
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            if _SAFE_ID.fullmatch(text):
+                return text
+            break
+    return uuid.uuid4().hex
 
 
 def admin_only(method: str, path: str) -> bool:

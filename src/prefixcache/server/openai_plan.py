@@ -46,8 +46,10 @@ def plan(runners: OpenAIRunners, settings: ServerSettings, tokenizer, request: C
     """The runner and item for ``request``. Call on a prep thread with a tokenizer it holds alone.
 
     Raises:
-        RequestFieldError: naming the field: a prompt or output that does not fit, bad choices, or a
-            field combination this server does not support.
+        RequestFieldError: naming the field: a prompt or output that does not fit the model's context or the
+            server's limits, bad choices, or a field combination this server does not support.
+        RequestTooLargeError: naming the prompt's field: a generation whose prompt and ``max_tokens`` need more
+            keys/values than the cache budget can hold for one request.
         LabelCollisionError: the server's method is ``first-token`` and two choices share a first token.
     """
     _refuse_unsupported(request)
@@ -70,6 +72,7 @@ def plan(runners: OpenAIRunners, settings: ServerSettings, tokenizer, request: C
         max_new_tokens=_token_limit(request, prompt, runners), stop=request.stops(),
         eos_ids=eos_ids_of(runners.loaded.model, tokenizer),
     )
+    runners.kv_room.check_prompt(len(prompt.ids), config.max_new_tokens, field)  # 413 before any work
     if constraint is not None:
         _check_answerable(constraint, tokenizer, config)
     runner = runners.generate(prompt, config, _sampling(request), constraint)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import AsyncIterator
 
@@ -28,9 +29,12 @@ from .openai_schemas import (
     ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ModelCard, ModelList, OpenAIError, parse_request,
 )
 from .admission import Hold
-from .middleware import CLIENT
+from .middleware import CLIENT, REQUEST_ID_VAR
 from .openai_errors import OPENAI_PATHS, openai_error  # noqa: F401  (OPENAI_PATHS: app.py reads it here)
 from .service import Service
+from .http_errors import http_spelling, status_of
+
+log = logging.getLogger(__name__)
 
 STARTED = int(time.time())
 _ERRORS = {code: {"model": OpenAIError} for code in (400, 401, 404, 413, 422, 429, 503)}
@@ -112,8 +116,8 @@ async def _stream(service: Service, planned: Plan, model_name: str, chat: bool, 
             if piece:
                 yield chunk.event(content=piece)
         result = job.result().results[0]
-    except PrefixCacheError as exc:
-        yield f"data: {json.dumps(openai_error(str(exc), 500))}\n\n"
+    except PrefixCacheError as exc:  # after the 200: an error event with the status the answer would have had
+        yield f"data: {json.dumps(stream_error(service, exc))}\n\n"
         return
     finally:  # the client went away (the stream was cancelled): its sequence leaves the loop at the next step
         if job is not None and not job.done():
@@ -125,6 +129,16 @@ async def _stream(service: Service, planned: Plan, model_name: str, chat: bool, 
     if include_usage:
         yield chunk.usage(usage_of(result).model_dump())
     yield "data: [DONE]\n\n"
+
+
+def stream_error(service: Service, exc: PrefixCacheError) -> dict:
+    """The error event of a stream that had begun: ``exc``'s own status (a 5xx logged with the request id and
+    counted, as an answer's would be)."""
+    status = status_of(exc)
+    if status >= 500:
+        log.error("request %s: its stream ended with %d: %s: %s", REQUEST_ID_VAR.get(), status, type(exc).__name__, exc)
+        service.metrics.server_errors.labels("(stream)", str(status)).inc()
+    return openai_error(exc.render(http_spelling), status, getattr(exc, "param", None))
 
 
 class _AdmittedStream(StreamingResponse):

@@ -34,6 +34,7 @@ from ..errors import PoolBudgetError
 from ..model.load import LoadedModel
 from ..scheduler.sequence import Generate, Scores, Sequence as EngineSequence, Status
 from ..task.chat import Choices, EarlierMessages, WholePrompt
+from .kv_room import KVRoom
 from .runners import Submitted, failed
 
 MIN_REUSE = 16  # a reusable part shorter than this is not stored: the whole prompt is computed
@@ -190,10 +191,11 @@ class OpenAIRunners:
     Nothing here is kept per request: requests batch together in the engine loop (by prefix, and guided choices
     by their scorer ``group``), not by sharing a runner object."""
 
-    def __init__(self, loaded: LoadedModel, pool: PrefixPool, method: str):
+    def __init__(self, loaded: LoadedModel, pool: PrefixPool, method: str, kv_room: KVRoom | None = None):
         self.loaded = loaded
         self.pool = pool
         self.method = method
+        self.kv_room = kv_room or KVRoom(loaded.model, pool.config.budget_bytes)  # what one request's slot may take
         self.earlier = EarlierMessages()  # the leading messages of recent chats, tokenized (used on the prep threads)
 
     def choice(self, prompt: WholePrompt, choices: Choices) -> ChoiceRunner:

@@ -75,6 +75,10 @@ class Metrics:
             "prefixcache_in_progress", "Items admitted and not yet answered (bounded by --max-queue).", registry=r
         )
         self.queue_rejections = Counter("prefixcache_queue_rejections", "Requests refused with 429.", registry=r)
+        self.server_errors = Counter(
+            "prefixcache_server_errors", "Server faults: answers of 500 or 503 (and error events of a stream that had "
+            "already begun), by route and status; each is logged with its request id.", ["route", "code"], registry=r,
+        )
         self.abandoned = Counter(
             "prefixcache_requests_abandoned", "Requests whose client went away before their answer (their sequences "
             "are cancelled: one not yet admitted to a step never runs).", registry=r,

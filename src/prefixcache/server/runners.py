@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Iterator, Protocol, Sequence
 
-from ..errors import ItemError, SequenceFailedError, TaskUploadError
+from ..errors import ItemError, RequestTooLargeError, SequenceFailedError, SequenceTooLongError, TaskUploadError
 from ..scheduler.loop import BoundTask, Failure, ForwardScorer, WorkItem
 from ..scheduler.sequence import Scores, Sequence as EngineSequence, Status
 from ..scheduler.extract import Extractor
@@ -191,6 +191,11 @@ class ExtractRunner(_BoundRunner):
     def _want(self, item: WorkItem):
         return self.bound.want_of(item)
 
+    @property
+    def max_new_tokens(self) -> int:
+        """The most tokens an item generates (with its own tokens, what its slot must hold)."""
+        return self.bound.generation.max_new_tokens
+
     def answer(self, seq: EngineSequence) -> dict:
         """A parsed extraction; a sequence whose constraint failed is that item's error (as the CLI reports it)."""
         if seq.status is Status.FAILED:
@@ -235,8 +240,12 @@ def prepare_items(bound: BoundTask, tokenizer, records: Sequence[Record], max_it
     return items
 
 
-def failed(seq: EngineSequence) -> SequenceFailedError:
-    """The error for a sequence the engine loop did not finish (its engine call raised, its constraint failed)."""
+def failed(seq: EngineSequence) -> SequenceFailedError | RequestTooLargeError:
+    """The error for a sequence the engine loop did not finish: RequestTooLargeError when no slot could hold it (it
+    was never fed; the request's own size, refused as if before any work), else SequenceFailedError (its engine call
+    raised, its constraint failed: a server fault)."""
+    if isinstance(seq.failure, SequenceTooLongError):
+        return RequestTooLargeError(f"this request cannot be held: {seq.failure.args[0]}")
     return SequenceFailedError(f"the engine could not finish this item: {seq.error or seq.status.value}")
 
 

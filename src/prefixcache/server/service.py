@@ -53,6 +53,7 @@ from ..scheduler.engine_loop import EngineLoop, LoopConfig
 from ..types import Record
 from ..task.definition import ExtractTask, Task
 from .engine_thread import EngineThread
+from .kv_room import KVRoom
 from .prometheus import Metrics
 from .openai_runners import OpenAIRunners
 from .runners import TaskRunner, build_runner, check_prefix_size
@@ -96,7 +97,8 @@ class Service:
         self.engine = EngineThread(loop, settings, metrics)
         self._runners: dict[str, TaskRunner] = {}
         self._startup: set[str] = set()  # the registered tasks that are start-up tasks (not replaced since)
-        self.openai = OpenAIRunners(loaded, self.pool, settings.method)  # the OpenAI-compatible routes' runners
+        self.kv_room = KVRoom(loaded.model, settings.cache_budget_bytes)  # what one request's slot may take
+        self.openai = OpenAIRunners(loaded, self.pool, settings.method, self.kv_room)  # the OpenAI routes' runners
         self._builds = asyncio.Lock()  # one prefix build at a time on the model thread (steps run between builds)
 
     async def start(self, tasks: Sequence[Task | ExtractTask]) -> None:
@@ -180,6 +182,7 @@ class Service:
         (self._startup.discard if uploaded else self._startup.add)(task.name)
         if old is not None:
             self._release(old)
+        self._count_pinned()
         self.metrics.record_prefix(task.name, runner.kind, runner.prefix_tokens, runner.prefix_bytes, replaced=not created)
         self.metrics.tasks.set(len(self._runners))
         log.info("task %r %s: %d prefix tokens", task.name, "registered" if created else "replaced", runner.prefix_tokens)
@@ -191,6 +194,7 @@ class Service:
             raise UnknownTaskError(f"unknown task {name!r}: nothing to delete")
         self.check_writable(name, operator)
         self._release(self._runners.pop(name))
+        self._count_pinned()
         self._startup.discard(name)
         self.metrics.record_removed(name)
         self.metrics.tasks.set(len(self._runners))
@@ -220,6 +224,11 @@ class Service:
             "delete one (DELETE /v1/tasks/{name}) or replace a registered task"
         )
 
+    def _count_pinned(self) -> None:
+        """The pinned prefixes' bytes (each entry once), which no request's slot can have: into ``kv_room``."""
+        pinned = {r.prefix_key: r.prefix_bytes for r in self._runners.values() if r.task.pin}
+        self.kv_room.pinned_bytes = sum(pinned.values())
+
     def _release(self, old: TaskRunner) -> None:
         """Let the pool evict a dropped runner's prefix: unpin it, unless a registered task still pins it.
 
@@ -243,8 +252,8 @@ class Service:
         ``client`` names the caller for the per-client share and turns (None: bound by ``max_queue`` only).
 
         Raises:
-            UnknownTaskError, WrongTaskKindError, RequestLimitError, ItemError, QueueFullError, ShuttingDownError,
-            SequenceFailedError.
+            UnknownTaskError, WrongTaskKindError, RequestLimitError, ItemError, RequestTooLargeError, QueueFullError,
+            ShuttingDownError, SequenceFailedError.
         """
         runner = self.runner(name, kind)
         if len(records) > self.settings.max_items:
@@ -260,8 +269,14 @@ class Service:
         return answers.results, usage
 
     def _prepare(self, runner: TaskRunner, records: Sequence[Record]):
-        """On a prep thread: ``runner.prepare`` with a tokenizer copy no other thread holds meanwhile."""
-        return self._with_tokenizer(lambda tokenizer: runner.prepare(tokenizer, records, self.settings.max_item_tokens))
+        """On a prep thread: ``runner.prepare`` with a tokenizer copy no other thread holds meanwhile, then each
+        generating item checked against what the cache budget can hold for it (RequestTooLargeError)."""
+        items = self._with_tokenizer(lambda tokenizer: runner.prepare(tokenizer, records, self.settings.max_item_tokens))
+        max_new = getattr(runner, "max_new_tokens", None)  # None: scoring items, which take no slot
+        if max_new is not None:
+            for item in items:
+                self.kv_room.check_item(item.index, item.record.id, len(item.rows), max_new)
+        return items
 
     async def on_prep_thread(self, work: Callable[[object], T]) -> T:
         """``work(tokenizer)`` on a prep thread, with a tokenizer copy no other thread holds meanwhile."""
