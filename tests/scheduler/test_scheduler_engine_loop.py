@@ -467,3 +467,18 @@ def test_a_sequence_no_slot_can_hold_fails_unfed_with_a_typed_error_naming_its_t
     assert "71 tokens of its own" in long.error and "slot budget" in long.error and "max_new_tokens" in long.error
     assert short.status == Status.FINISHED and short.failure is None
 
+
+
+def test_trim_drops_an_idle_long_few_store_and_keeps_a_full_or_busy_one():
+    """A store made long and few for one long sequence is dropped by ``trim`` once idle (the next sequence makes one
+    at its own length, with every slot); a store of ``max_seqs`` slots, or one a sequence still runs in, is kept."""
+    one_long = KVShape.of(LOADED.model.config).nbytes(128, 4)
+    loop = EngineLoop(LOADED.model, LOADED.tokenizer, LoopConfig(max_seqs=2, slot_bytes=one_long))
+    long = Sequence(PREFIXES[0], list(range(30, 100)), Generate(GenerationConfig(30)))
+    loop.add(long)
+    loop.step()
+    assert (loop.store.slots, loop.store.slot_tokens) == (1, 128) and not loop.trim(), "a busy store was dropped"
+    loop.run_until_done()
+    assert loop.trim() and loop.store is None, "the idle long store was kept"
+    loop.run_until_done([Sequence(PREFIXES[0], [30], Generate(GenerationConfig(2)))])
+    assert loop.store.slots == 2 and not loop.trim() and loop.store is not None, "a full store was dropped"

@@ -228,6 +228,15 @@ class EngineLoop:
         the loop is done: it takes no step after (a sequence still running would have no slot)."""
         self._drop_store()
 
+    def trim(self) -> bool:
+        """Drop an idle store of fewer than ``max_seqs`` slots (made long and few for a long sequence), giving its
+        bytes back to the budget; the next generating sequence makes one at its own length. Returns whether it did."""
+        store = self.store
+        if store is None or self.running or store.free != store.slots or store.slots >= self.config.max_seqs:
+            return False
+        self._drop_store()
+        return True
+
     def _drop_store(self) -> None:
         self.store = None
         self.slot_budget.release()

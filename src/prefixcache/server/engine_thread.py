@@ -207,7 +207,10 @@ class EngineThread:
     def _serve(self) -> None:
         try:
             while not self._stopping:
-                self._take_inbox(wait=not (self.engine.has_work or self._building))
+                idle = not (self.engine.has_work or self._building)
+                if idle and self.engine.trim():  # a long request's store, idle now: its memory back to the system
+                    release_freed_memory()
+                self._take_inbox(wait=idle)
                 if self._stopping:
                     break
                 if self._building:
