@@ -103,7 +103,8 @@ def test_verify_json(model_dir, task_file, jsonl):
     )
     assert result.exit_code == 0, result.output
     report = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
-    assert set(report) == {"records", "agree", "max_abs_logprob_diff", "disagreeing_ids"}
+    assert set(report) == {"records", "agree", "max_abs_logprob_diff", "disagreeing_ids", "reference", "stored_prefix_equal"}
+    assert report["reference"] == "full" and report["stored_prefix_equal"] is None  # no tuned prefix here
     assert report["records"] == report["agree"] == len(TEXTS)
     assert report["disagreeing_ids"] == []
     assert report["max_abs_logprob_diff"] < 1e-4

@@ -150,3 +150,16 @@ def test_tuning_is_deterministic_for_a_seed(tiny_llama, task):
     a, b = (tune(tiny_llama, task, labelled(12, 5), config) for _ in range(2))
     assert a.head.digest() == b.head.digest()
     assert torch.equal(a.head.weight, b.head.weight)
+
+
+def test_suggest_reads_features_through_the_tuned_prefix_from_a_store_of_their_own(tiny_llama, task, tuned_llama, tmp_path):
+    from prefixcache.scheduler.feature_pass import collect_features, tuned_prefix
+    from prefixcache.scheduler.feature_store import stored_features
+
+    records = labelled(6, seed=4)
+    through_head, ran = stored_features(tiny_llama, task, records, tmp_path, feature=tuned_llama.head)
+    plain, _ = stored_features(tiny_llama, task, records, tmp_path, feature="last")
+    direct = collect_features(tiny_llama, task, records, feature="last", tuned=tuned_prefix(tuned_llama.head))
+    assert ran == 6 and len(list(tmp_path.iterdir())) == 2, "the tuned prefix's features need a store of their own"
+    assert np.allclose(through_head.features, direct.features, atol=1e-5)
+    assert not np.allclose(through_head.features, plain.features, atol=1e-3)

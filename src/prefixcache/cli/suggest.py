@@ -63,7 +63,7 @@ def suggest(
         check(fitted.manifest, loaded, build_prompt(spec, loaded.tokenizer), list(spec.labels), None)
     root = feature_cache or cache_home() / "features"
     with progress(len(records), "features") as bar:
-        features, ran = stored_features(loaded, spec, records, root, feature=fitted.feature if fitted else feature,
+        features, ran = stored_features(loaded, spec, records, root, feature=fitted or feature,
                                         batch_size=batch_size, progress=bar.update)
     logprobs = fitted.log_probs(features.features, features.prompt_logprobs).numpy() if fitted else None
     trained = set(fitted.manifest.get("training", {}).get("text_sha256", [])) if fitted else set()

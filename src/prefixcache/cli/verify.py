@@ -69,14 +69,16 @@ def verify_labels(classifier, records: list, config: RunConfig, as_json: bool) -
     """``verify`` for a classification task: labels (and log-probs) of full re-encoding and the cached mode."""
     from ..eval.verify import verify as run_verify
 
-    with progress(2 * len(records), f"verify [full + {config.mode}]") as bar:
+    reference = "full" if classifier.tuned is None else "cached, one record per pass (a tuned prefix)"
+    with progress(2 * len(records), f"verify [{reference} + {config.mode}]") as bar:
         result = run_verify(classifier, records, config, progress=bar.update)
     agreement = result.agreement
+    stored = {} if result.stored_prefix_equal is None else {"stored prefix = fitted": str(result.stored_prefix_equal)}
     report_agreement(
         as_json,
-        agreement.to_json(),
-        f"verify: full vs {config.mode} ({classifier.method} scoring, {classifier.loaded.dtype})",
-        {
+        agreement.to_json() | {"reference": result.reference, "stored_prefix_equal": result.stored_prefix_equal},
+        f"verify: {reference} vs {config.mode} ({classifier.method} scoring, {classifier.loaded.dtype})",
+        stored | {
             "records": str(agreement.records),
             "agree": str(agreement.agree),
             "agreement": f"{100 * agreement.rate:.2f}%",
@@ -85,7 +87,7 @@ def verify_labels(classifier, records: list, config: RunConfig, as_json: bool) -
         },
     )
     report_storage(classifier, records, config)
-    if not agreement.ok:
+    if not result.ok:
         raise typer.Exit(1)
 
 

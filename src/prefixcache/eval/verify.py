@@ -2,6 +2,11 @@
 
 ``compare`` pairs two lists of Predictions record by record; ``verify`` runs
 ``full`` and a cached mode on the same records and compares them.
+
+A classifier whose head carries a tuned prefix has no prompt text that re-encodes to its prefix, so for it
+"the same answers" means what still holds: one record per pass (``cached``, batch 1) is the reference the
+batched path must equal, and the prefix the classifier serves (from the pool, its disk tier or the file) must
+equal, bit for bit in the model's dtype, the one fitted.
 """
 
 from __future__ import annotations
@@ -57,6 +62,12 @@ class Verification:
     reference_stats: RunStats
     candidate_stats: RunStats
     mode: str
+    reference: str = "full"  # the mode the candidate is held to ("cached" at batch 1 under a tuned prefix)
+    stored_prefix_equal: bool | None = None  # under a tuned prefix: the served prefix equals the fitted one
+
+    @property
+    def ok(self) -> bool:
+        return self.agreement.ok and self.stored_prefix_equal is not False
 
 
 def verify(
@@ -65,8 +76,15 @@ def verify(
     config: RunConfig,
     progress: Callable[[int], None] | None = None,
 ) -> Verification:
-    """Run ``full`` and ``config.mode`` over ``records`` and compare them."""
+    """Run ``full`` (under a tuned prefix: ``cached`` at batch 1) and ``config.mode`` over ``records`` and compare them."""
     ref_stats, cand_stats = RunStats(), RunStats()
-    reference = classifier.classify_all(records, RunConfig("full", 1, config.window), progress=progress, stats=ref_stats)
+    tuned = classifier.tuned
+    reference_mode = "full" if tuned is None else "cached"
+    reference = classifier.classify_all(records, RunConfig(reference_mode, 1, config.window), progress=progress,
+                                        stats=ref_stats)
     candidate = classifier.classify_all(records, config, progress=progress, stats=cand_stats)
-    return Verification(compare(reference, candidate), ref_stats, cand_stats, config.mode)
+    stored = None
+    if tuned is not None:
+        loaded = classifier.loaded
+        stored = classifier.prefix.checksum() == tuned.prefix.cast(loaded.dtype, loaded.device).checksum()
+    return Verification(compare(reference, candidate), ref_stats, cand_stats, config.mode, reference_mode, stored)

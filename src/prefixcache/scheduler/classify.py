@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from ..cache.kv import PrefixKV
-from ..cache.pool import PrefixPool, TunedPrefix
+from ..cache.pool import PrefixPool
 from ..engine.confidence import Trust
 from ..engine.forward import score_rows
 from ..engine.head import FittedHead, head_rows
@@ -47,6 +47,7 @@ from ..task.context import ContextFit, blank_warning, label_overhang
 from ..task.prompt import Encoded, Prompt, build_prompt
 from ..task.definition import Task
 from ..types import MODES, LabelScores, Mode, Prediction, Record, RunConfig, RunStats
+from .feature_pass import tuned_prefix
 from .loop import BoundTask, WorkItem, route
 
 __all__ = ["MODES", "Classifier", "LabelScores", "Mode", "Prediction", "Record", "RunConfig", "RunStats",
@@ -84,8 +85,7 @@ class Classifier(BoundTask):
         self.prompt: Prompt = build_prompt(task, loaded.tokenizer)
         super().__init__(loaded, task, pool)
         self.fitted_head = head_for(task, head)
-        if self.fitted_head is not None and self.fitted_head.tuned:
-            self.tuned = TunedPrefix(self.fitted_head.digest(), self.fitted_head.prefix)
+        self.tuned = tuned_prefix(self.fitted_head)
         self.trust = trust if trust is not None else task_trust(task, self.fitted_head, loaded, self.prompt)
         self.method = self._resolve_method(method)
         self.head = LabelScorer(loaded.model, self.prompt, "first-token" if self.fitted_head else self.method, label_pass)

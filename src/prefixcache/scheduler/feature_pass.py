@@ -22,8 +22,9 @@ import torch
 
 from ..cache.disk import token_hash
 from ..cache.kv import PrefixKV
-from ..cache.pool import PrefixPool
+from ..cache.pool import PrefixPool, TunedPrefix
 from ..engine.features import FeatureSpec, RowStates, packed_features
+from ..engine.head import FittedHead
 from ..engine.head_file import text_hash
 from ..engine.scoring import LabelScorer
 from ..errors import InputError
@@ -148,19 +149,26 @@ def collect_features(
     feature: str | FeatureSpec = DEFAULT_FEATURE,
     config: RunConfig = RUN,
     progress: Callable[[int], None] | None = None,
-    pool: PrefixPool | None = None,
+    tuned: TunedPrefix | None = None,
 ) -> FeatureSet:
     """Run ``task``'s prompt over ``records`` (batched over the cached prefix) and keep their features.
 
     ``config`` is classification's own :class:`~prefixcache.types.RunConfig` (mode, batch size, window,
     overflow policy); mode ``full`` re-encodes every prompt (the reference the cached path must equal).
+    With ``tuned`` the records follow that tuned prefix (:func:`tuned_prefix`) instead of the prompt's.
 
     Raises:
         InputError: ``feature`` is not a valid spec for this model.
     """
-    collector = FeatureCollector(loaded, task, feature, pool)
+    collector = FeatureCollector(loaded, task, feature)
+    collector.tuned = tuned
     rows = collector.collect(records, config, progress)
     return feature_set(rows, loaded, collector.spec, collector.label_rows.labels, collector.prompt.prefix_ids)
+
+
+def tuned_prefix(head: FittedHead | None) -> TunedPrefix | None:
+    """What the record loop follows for ``head``: its tuned prefix under the head's digest, or None (the prompt's)."""
+    return TunedPrefix(head.digest(), head.prefix) if head is not None and head.tuned else None
 
 
 def feature_set(rows: Iterable[RowFeatures], loaded: LoadedModel, spec: FeatureSpec, labels: list[str],

@@ -25,13 +25,14 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..engine.features import FeatureSpec
+from ..engine.head import FittedHead
 from ..engine.head_file import prefix_hash, text_hash
 from ..errors import InputError
 from ..model.load import LoadedModel
 from ..task.prompt import build_prompt
 from ..task.definition import Task
 from ..types import RunConfig
-from .feature_pass import FeatureSet, collect_features
+from .feature_pass import FeatureSet, collect_features, tuned_prefix
 
 RUN = RunConfig()
 
@@ -61,11 +62,12 @@ class FeatureStore:
             self.rows[key] = (f, p)
 
 
-def store_folder(root: Path, loaded: LoadedModel, task: Task, feature: str | FeatureSpec) -> tuple[Path, str]:
-    """The folder under ``root`` for this model, prompt and feature spec, and the canonical spec."""
+def store_folder(root: Path, loaded: LoadedModel, task: Task, feature: str | FeatureSpec, variant: str = "") -> tuple[Path, str]:
+    """The folder under ``root`` for this model, prompt (``variant``: a tuned prefix's digest) and feature spec, and
+    the canonical spec."""
     spec = (feature if isinstance(feature, FeatureSpec) else FeatureSpec.parse(feature)).resolve(loaded.model)
-    key = json.dumps([loaded.identity, prefix_hash(build_prompt(task, loaded.tokenizer)), str(spec),
-                      str(loaded.dtype).removeprefix("torch.")])
+    key = [loaded.identity, prefix_hash(build_prompt(task, loaded.tokenizer)), str(spec), str(loaded.dtype).removeprefix("torch.")]
+    key = json.dumps(key + [variant] if variant else key)
     return Path(root) / hashlib.sha256(key.encode()).hexdigest()[:24], str(spec)
 
 
@@ -75,15 +77,18 @@ def stored_features(
     records: Sequence,
     root: Path,
     *,
-    feature: str | FeatureSpec,
+    feature: str | FeatureSpec | FittedHead,
     batch_size: int = RUN.batch_size,
     progress: Callable[[int], None] | None = None,
 ) -> tuple[FeatureSet, int]:
     """Every record's features, from the store under ``root`` where it has them and from one batched pass where it
     does not; returns the set (input order; records that cannot run are in ``errors``) and how many records ran.
+    ``feature``: a spec, or a head, whose features are read (through its tuned prefix when it carries one).
     """
     prompt = build_prompt(task, loaded.tokenizer)
-    folder, spec = store_folder(root, loaded, task, feature)
+    tuned = tuned_prefix(feature) if isinstance(feature, FittedHead) else None
+    feature = feature.feature if isinstance(feature, FittedHead) else feature
+    folder, spec = store_folder(root, loaded, task, feature, tuned.variant if tuned is not None else "")
     store = FeatureStore(folder)
     hashes = [text_hash(r.fields, task.fields) for r in records]
     missing, seen = [], set()
@@ -94,7 +99,7 @@ def stored_features(
     errors = {}
     if missing:  # nothing missing: no pass at all, not even the prefix's
         ran = collect_features(loaded, task, missing, feature=spec, config=RunConfig(batch_size=batch_size),
-                               progress=progress)
+                               progress=progress, tuned=tuned)
         store.add(ran.text_hashes, ran.features, ran.prompt_logprobs)
         errors = ran.errors
     if progress is not None:

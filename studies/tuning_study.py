@@ -1,0 +1,148 @@
+# Study behind docs/accuracy.md, "A tuned prefix": the comparison table and its JSON under docs/bench/.
+"""Prompt alone, linear head, tuned prefix, and tuned prefix + a head refitted on its states, side by side, on rows
+held out of every fit and of the prompt.
+
+Each run writes one JSON (``--json``) that names its machine, the rows and every figure: accuracy and calibration
+error on the scored rows, fit wall time, and classification ms/record (batched, same machine, same run) for the
+prompt's prefix and the tuned one. Everything is computed by the package itself: ``collect_features`` and
+``fit_head`` (what ``prefixcache fit`` runs), ``tune_prefix`` (what ``fit --tune prefix`` runs) and ``Classifier``
+(what ``classify --head`` runs).
+
+    .venv/bin/python studies/tuning_study.py banking77 --per-label 10 --scored-per-label 4 --json docs/bench/tuning-banking77.json
+    .venv/bin/python studies/tuning_study.py tickets --json docs/bench/tuning-tickets.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from accuracy_study import (  # noqa: E402  (the data sets and splits of the head study)
+    BUNDLED_TICKETS, HANDWRITTEN, banking77_rows, jsonl_rows, load_task_file, natcs71_rows, stratified_take,
+    without_examples,
+)
+
+from prefixcache.engine.confidence import confidence_and_correct, expected_calibration_error  # noqa: E402
+from prefixcache.engine.scoring import LabelScorer  # noqa: E402
+from prefixcache.eval.fit_head import fit_head  # noqa: E402
+from prefixcache.eval.tune_config import TuneConfig  # noqa: E402
+from prefixcache.eval.tune_prefix import tune_prefix  # noqa: E402
+from prefixcache.model.machine import machine_info  # noqa: E402
+from prefixcache.scheduler.classify import Classifier  # noqa: E402
+from prefixcache.scheduler.feature_pass import collect_features, own_rows, tuned_prefix  # noqa: E402
+from prefixcache.types import Mode, Record, RunConfig  # noqa: E402
+
+DATA = {"banking77": ("banking77-short", banking77_rows), "natcs71": ("natcs-intents-short", natcs71_rows)}
+
+
+def records(rows: list[dict]) -> list[Record]:
+    return [Record(r["id"], {"text": r["text"], "label": r["label"]}) for r in rows]
+
+
+def split(args, task) -> tuple[list[dict], list[dict]]:
+    """The fitted rows and the scored rows (disjoint, neither in the prompt's examples)."""
+    if args.data == "tickets":
+        return jsonl_rows(BUNDLED_TICKETS), jsonl_rows(HANDWRITTEN)
+    rows = without_examples(DATA[args.data][1](), task.examples or [])
+    fit = stratified_take(rows, args.per_label, args.seed)
+    taken = {r["id"] for r in fit}
+    return fit, stratified_take(rows, args.scored_per_label, args.seed + 1, exclude=taken)
+
+
+def figures(logprobs: np.ndarray, gold: np.ndarray, temperature: float = 1.0) -> dict:
+    """Accuracy and calibration error of label log-probs ``[N, L]`` (calibrated by ``temperature``)."""
+    scaled = logprobs / temperature
+    scaled = scaled - np.logaddexp.reduce(scaled, axis=1, keepdims=True)
+    confidence, correct = confidence_and_correct(scaled, gold)
+    return {"accuracy": float(correct.mean()), "ece": expected_calibration_error(confidence, correct)}
+
+
+def timed_classify(loaded, task, head, scored: list[Record]) -> tuple[np.ndarray, float]:
+    """Label log-probs of the scored rows through ``head`` (None: the prompt alone), and batched ms/record."""
+    classifier = Classifier(loaded, task, head=head)
+    classifier.classify_all(scored[:8], RunConfig(Mode.BATCHED, 32))  # the prefix built, the kernels warm
+    started = time.perf_counter()
+    predictions = classifier.classify_all(scored, RunConfig(Mode.BATCHED, 32))
+    ms = 1000 * (time.perf_counter() - started) / len(scored)
+    return np.array([p.scores.logprobs for p in predictions]), ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("data", choices=["tickets", *DATA])
+    parser.add_argument("--per-label", type=int, default=10)
+    parser.add_argument("--scored-per-label", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=TuneConfig.epochs)
+    parser.add_argument("--virtual-tokens", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, required=True)
+    args = parser.parse_args()
+
+    from prefixcache.cli.loading import open_model
+
+    loaded = open_model("smollm2-135m", "auto", 2)
+    task = load_task_file("support-tickets" if args.data == "tickets" else DATA[args.data][0])
+    fit_rows, scored_rows = split(args, task)
+    fit, scored = records(fit_rows), records(scored_rows)
+    labels = list(task.labels)
+    gold = np.array([labels.index(r["label"]) for r in scored_rows])
+    results, times = {}, {}
+
+    logprobs, times["prompt"] = timed_classify(loaded, task, None, scored)
+    results["prompt alone"] = figures(logprobs, gold) | {"fit_seconds": 0.0, "ms_per_record": times["prompt"]}
+
+    started = time.perf_counter()
+    features = collect_features(loaded, task, fit, config=RunConfig(batch_size=32))
+    head = fit_head(features, [r["label"] for r in fit_rows], folds=5, seed=args.seed).head
+    seconds = time.perf_counter() - started
+    logprobs, ms = timed_classify(loaded, task, head, scored)
+    results["linear head"] = figures(logprobs, gold, _temperature(head)) | {"fit_seconds": seconds, "ms_per_record": ms}
+
+    config = TuneConfig(epochs=args.epochs, seed=args.seed, virtual_tokens=args.virtual_tokens)
+    own = own_rows(loaded, task, fit)
+    scorer = LabelScorer(loaded.model, own.prompt, "first-token")
+    fit_gold = np.array([labels.index(r["label"]) for r in fit_rows])
+    tuned = tune_prefix(loaded, scorer, own.prompt.prefix_ids, own.rows, fit_gold, config)
+    tuned.head.manifest.update(_manifest(tuned, loaded, own, config, task.name))
+    logprobs, ms = timed_classify(loaded, task, tuned.head, scored)
+    results["tuned prefix"] = figures(logprobs, gold, tuned.calibration.temperature) | {
+        "fit_seconds": tuned.seconds, "ms_per_record": ms, "epochs": [vars(e) for e in tuned.epochs],
+        "best_epoch": tuned.best_epoch, "heldout_accuracy": tuned.heldout_accuracy, "prefix_tokens": tuned.head.prefix.length}
+
+    started = time.perf_counter()
+    features = collect_features(loaded, task, fit, config=RunConfig(batch_size=32), tuned=tuned_prefix(tuned.head))
+    refit = fit_head(features, [r["label"] for r in fit_rows], folds=5, seed=args.seed).head
+    refit = type(refit)(refit.weight, refit.bias, refit.prompt_scale, refit.labels, refit.feature,
+                        dict(tuned.head.manifest, calibration=refit.manifest.get("calibration")), tuned.head.prefix)
+    seconds = tuned.seconds + time.perf_counter() - started
+    logprobs, ms = timed_classify(loaded, task, refit, scored)
+    results["tuned prefix + head"] = figures(logprobs, gold, _temperature(refit)) | {"fit_seconds": seconds, "ms_per_record": ms}
+
+    document = {"data": args.data, "task": task.name, "model": loaded.identity, "fit_rows": len(fit_rows),
+                "scored_rows": len(scored_rows), "labels": len(labels), "prompt_tokens": len(own.prompt.prefix_ids),
+                "seed": args.seed, "machine": machine_info(str(loaded.dtype).removeprefix("torch."), 2), "command": " ".join(sys.argv), "results": results}
+    args.json.write_text(json.dumps(document, indent=1))
+    for name, row in results.items():
+        print(f"{name:22s} accuracy {row['accuracy']:.1%}  ECE {row['ece']:.1%}  fit {row['fit_seconds']:.0f} s  "
+              f"{row['ms_per_record']:.1f} ms/record")
+
+
+def _temperature(head) -> float:
+    calibration = head.manifest.get("calibration") or {}
+    return float(calibration.get("temperature", 1.0))
+
+
+def _manifest(tuned, loaded, own, config, task_name) -> dict:
+    from prefixcache.eval.tune_prefix import tuned_manifest
+
+    return tuned_manifest(tuned, loaded, own, config, task_name)
+
+
+if __name__ == "__main__":
+    main()
