@@ -131,6 +131,7 @@ def _child_peak(args: list[str], log: Path) -> tuple[int, int]:
     return code, int(peak_file.read_text()) * 1024  # kB
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the peak is read from /proc/self/status")
 def test_failing_rows_with_ids_take_no_memory_per_row(tmp_path_factory, scratch):
     model = _smallest_model(tmp_path_factory)
