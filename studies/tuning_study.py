@@ -81,12 +81,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=TuneConfig.epochs)
     parser.add_argument("--virtual-tokens", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", help="float32: torch's CPU backward is faster than bfloat16's here")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
 
     from prefixcache.cli.loading import open_model
 
-    loaded = open_model("smollm2-135m", "auto", 2)
+    loaded = open_model("smollm2-135m", args.dtype, 2)
     task = load_task_file("support-tickets" if args.data == "tickets" else DATA[args.data][0])
     fit_rows, scored_rows = split(args, task)
     fit, scored = records(fit_rows), records(scored_rows)
