@@ -59,7 +59,7 @@ def eval_(
     records = list(check_text_field(data.read_records(input, text_field, id_field), text_field))
     if isinstance(load_any_task(task), ExtractTask):
         extractor = setup_extractor(task, model, dtype, threads, None)
-        extractor.policy = field_policy(extractor, field_head, None)
+        extractor.policy = field_policy(extractor, field_head, None, tuned=head)  # head: the task's tuned prefix
         return eval_extraction(extractor, records, batch_size, target_accuracy, min_confidence, as_json, plot)
     _refuse_field_options(("--field-head", field_head), ("--min-confidence", min_confidence),
                           ("--target-accuracy", target_accuracy))

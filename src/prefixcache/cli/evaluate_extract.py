@@ -30,17 +30,41 @@ def parse_pairs(values: Optional[Sequence[str]], option: str, convert: Callable 
     return pairs
 
 
-def field_policy(extractor, heads: Optional[Sequence[str]], min_confidence: Optional[Sequence[str]]):
+def field_policy(extractor, heads: Optional[Sequence[str]], min_confidence: Optional[Sequence[str]], tuned=None):
     """The extractor's :class:`FieldPolicy` from ``--head FIELD=FILE`` and ``--min-confidence FIELD=P`` values;
-    each head is checked against the extractor's model and prompt (a head fitted elsewhere is refused)."""
+    each head is checked against the extractor's model and prompt (a head fitted elsewhere is refused). A bare
+    ``--head FILE`` (no ``FIELD=``), or ``tuned`` (a path), is the task's tuned prefix: the extractor follows it
+    (:func:`use_tuned`)."""
     from ..engine.head_file import check, load_head
     from ..scheduler.field_policy import FieldPolicy
 
-    loaded_heads = {name: load_head(path) for name, path in parse_pairs(heads, "--head").items()}
+    bare = [value for value in heads or () if "=" not in value] + ([str(tuned)] if tuned is not None else [])
+    if len(bare) > 1:
+        raise typer.BadParameter(f"one tuned prefix at most, got {bare}", param_hint="--head")
+    if bare:
+        use_tuned(extractor, bare[0])
+    named = [value for value in heads or () if "=" in value]
+    loaded_heads = {name: load_head(path) for name, path in parse_pairs(named, "--head").items()}
     for head in loaded_heads.values():
         check(head.manifest, extractor.loaded, extractor.prompt, head.labels)
     thresholds = parse_pairs(min_confidence, "--min-confidence", float)
     return FieldPolicy(extractor.task, loaded_heads, thresholds)
+
+
+def use_tuned(extractor, path) -> None:
+    """Make ``extractor`` generate after the tuned prefix in the head file at ``path`` (``fit --task T --tune
+    prefix``), refused (exit 2, the difference named) when fitted for another model, prompt or field set."""
+    from ..engine.head_file import check_fields, load_head
+    from ..errors import InputError
+    from ..scheduler.feature_pass import tuned_prefix
+
+    head = load_head(path)
+    if not head.tuned or head.labels:
+        what = "a choice field's head: give it as --head FIELD=FILE" if not head.tuned else "a classification task's"
+        raise InputError(f"{str(path)!r} is not an extraction task's tuned prefix ({what}); fit one with "
+                         f"`prefixcache fit TRAIN --task {extractor.task.name} --tune prefix`")
+    check_fields(head.manifest, extractor.loaded, extractor.prompt, list(extractor.task.fields))
+    extractor.tuned = tuned_prefix(head)
 
 
 def run_extract_eval(extractor, records: list, batch_size: int, target: Optional[float],
@@ -63,8 +87,15 @@ def run_extract_eval(extractor, records: list, batch_size: int, target: Optional
     meta = {"task": extractor.task.name, "model": extractor.loaded.identity, "dtype": str(extractor.loaded.dtype),
             "rows": len(records), "errors": sum(e.error is not None for e in results), "seconds": round(seconds, 2),
             "records_per_s": round(len(records) / max(seconds, 1e-9), 3), "target_accuracy": target,
-            "heads": {n: str(h.manifest.get("training", {}).get("rows")) + " rows" for n, h in extractor.policy.heads.items()}}
+            "heads": {n: str(h.manifest.get("training", {}).get("rows")) + " rows" for n, h in extractor.policy.heads.items()},
+            "tuned": _tuned_meta(extractor)}
     return reports, chosen, meta
+
+
+def _tuned_meta(extractor) -> dict | None:
+    """What the eval's metadata says of the tuned prefix the extractor follows (None: the prompt's own)."""
+    tuned = extractor.tuned
+    return None if tuned is None else {"digest": tuned.variant, "prefix_tokens": tuned.prefix.length}
 
 
 def prompt_only_reports(extractor, records: list, results: list, names: list[str]) -> list:

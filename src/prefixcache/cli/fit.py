@@ -86,7 +86,8 @@ def fit(
 
 
 def _fit_other(job: FitJob, field: Optional[str], tune: str, config: TuneConfig, folds: int, as_json: bool) -> None:
-    """``fit --field`` (a choice field's head) or ``fit --tune prefix`` (a tuned prefix with its head)."""
+    """``fit --field`` (a choice field's head) or ``fit --tune prefix`` (a tuned prefix with its head; for an
+    extraction task, a tuned prefix on the gold fields' answers)."""
     if tune not in TUNE_CHOICES:
         raise typer.BadParameter(f"{tune!r} is not one of {', '.join(TUNE_CHOICES)}", param_hint="--tune")
     if field is not None:
@@ -95,6 +96,13 @@ def _fit_other(job: FitJob, field: Optional[str], tune: str, config: TuneConfig,
         from .fit_field import fit_field
 
         return fit_field(job, field, folds, config.seed, as_json)
+    from ..task.definition import ExtractTask, load_any_task
+
+    spec = load_any_task(job.task)
+    if isinstance(spec, ExtractTask):
+        from .fit_prefix_fields import fit_prefix_fields
+
+        return fit_prefix_fields(job, spec, config, as_json)
     from .fit_prefix import fit_prefix
 
     return fit_prefix(job, config, as_json)

@@ -44,7 +44,8 @@ KVStorageOpt = typer.Option(POOL.storage, "--kv-storage", help=f"How the pool st
 EvictionOpt = typer.Option(POOL.eviction, "--eviction", help=f"Pool eviction policy: {', '.join(POLICIES)}.")
 InputArg = typer.Argument(..., help="Input .csv, .jsonl, .parquet, or - for JSONL on stdin.")
 HeadOpt = typer.Option(
-    None, "--head", help="A fitted label head (prefixcache fit); overrides the task file's head:. Scores are the head's."
+    None, "--head", help="A fitted label head (prefixcache fit); overrides the task file's head:. Scores are the head's. "
+    "For an extraction task: its tuned prefix (fit --task T --tune prefix)."
 )
 CalibrationOpt = typer.Option(
     None, "--calibration", help="A prompt-only calibration file (prefixcache fit --prompt-only); overrides the task's calibration:."
@@ -64,7 +65,8 @@ KeepInputOpt = typer.Option(False, "--keep-input", help="Write every input field
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of a table.")
 LabelFieldOpt = typer.Option(LABEL_FIELD, "--label-field", help="Field holding each row's gold label.")
 FieldHeadOpt = typer.Option(
-    None, "--head", help="FIELD=FILE: a head fitted for a choice field (prefixcache fit --field FIELD); repeatable."
+    None, "--head", help="FIELD=FILE: a head fitted for a choice field (prefixcache fit --field FIELD); repeatable. "
+    "A bare FILE: the task's tuned prefix (prefixcache fit --task T --tune prefix)."
 )
 FieldMinConfidenceOpt = typer.Option(
     None, "--min-confidence", help="FIELD=P: leave FIELD null and flag the record when its confidence is under P; repeatable."

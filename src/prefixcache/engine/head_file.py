@@ -22,7 +22,9 @@ so saving a loaded head writes the same bytes. The manifest (:data:`MANIFEST_KEY
   beside ``weight`` and ``bias`` as ``prefix.token_ids [P]`` and float32 ``prefix.k.{i}``, ``prefix.v.{i}``
   ``[1, kv_heads, P, head_dim]`` per layer, and read back bit for bit.
 
-:func:`check` refuses a head against another model, prompt, label set or feature spec.
+:func:`check` refuses a head against another model, prompt, label set or feature spec; :func:`check_fields` an
+extraction task's tuned prefix (no labels; ``fields``: the task's field names, in order) against another model,
+prompt or field set.
 """
 
 from __future__ import annotations
@@ -183,6 +185,22 @@ def check(manifest: Mapping, loaded, prompt, labels: Sequence[str], feature: str
     expected = {"model": manifest.get("model"), "prompt": manifest.get("prefix_sha256"), "labels": manifest.get("labels")}
     if feature is not None:
         found["feature"], expected["feature"] = str(feature), manifest.get("feature")
+    _refuse_differences(found, expected)
+
+
+def check_fields(manifest: Mapping, loaded, prompt, fields: Sequence[str]) -> None:
+    """Refuse an extraction task's tuned prefix (``fit --task T --tune prefix``, manifest ``fields``) fitted for
+    another model, prompt or field set.
+
+    Raises:
+        HeadMismatchError: naming each of model / prompt / fields that differs, expected vs found.
+    """
+    found = {"model": loaded.identity, "prompt": prefix_hash(prompt), "fields": list(fields)}
+    expected = {"model": manifest.get("model"), "prompt": manifest.get("prefix_sha256"), "fields": manifest.get("fields")}
+    _refuse_differences(found, expected)
+
+
+def _refuse_differences(found: Mapping, expected: Mapping) -> None:
     differ = [name for name in found if found[name] != expected[name]]
     if differ:
         detail = "; ".join(_difference(name, expected[name], found[name]) for name in differ)
@@ -194,7 +212,7 @@ def check(manifest: Mapping, loaded, prompt, labels: Sequence[str], feature: str
 
 def _difference(name: str, expected, found) -> str:
     text = f"{name}: the head expects {_show(name, expected)}, found {_show(name, found)}"
-    if name == "labels" and isinstance(expected, list):
+    if name in ("labels", "fields") and isinstance(expected, list):
         missing, extra = [x for x in expected if x not in found], [x for x in found if x not in expected]
         text += f" (not in the task: {missing}; not in the head: {extra})" if missing or extra else " (another order)"
     return text
@@ -203,8 +221,8 @@ def _difference(name: str, expected, found) -> str:
 def _show(name: str, value) -> str:
     if name == "prompt" and isinstance(value, str):
         return f"prefix sha256 {value[:12]}…"
-    if name == "labels" and isinstance(value, list):
-        return f"{len(value)} labels [{', '.join(map(str, value[:6]))}{', …' if len(value) > 6 else ''}]"
+    if name in ("labels", "fields") and isinstance(value, list):
+        return f"{len(value)} {name} [{', '.join(map(str, value[:6]))}{', …' if len(value) > 6 else ''}]"
     return repr(value)
 
 

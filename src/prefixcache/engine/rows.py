@@ -3,7 +3,7 @@
 * :func:`forward_rows` appends right-padded rows to a fork (each row may continue later), causally;
   :func:`forward_visible` appends tokens that attend as a given mask says (a tree of label tokens);
 * :func:`last_hidden_packed` runs rows laid end to end in one pass (no pads computed) and returns
-  each row's last hidden state;
+  each row's last hidden state (:func:`packed_states_at`: the states at chosen positions of each row);
 * :func:`empty_prefix` is the zero-length prefix under which a row is the whole prompt.
 
 Rows never see each other, and every row sees the whole prefix (the fork's contract).
@@ -127,10 +127,31 @@ def last_hidden_packed(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[
 def packed_last_states(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]]) -> torch.Tensor:
     """:func:`last_hidden_packed` under whatever grad mode the caller runs: the same pass, differentiable in
     the prefix's keys and values when they require grad (prefix tuning trains through it). ``[B, H]``."""
+    hidden, packing = _packed_pass(model, prefix, rows)
+    return hidden[packing.last]  # [B, H]
+
+
+def packed_states_at(
+    model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]], at: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """The same packed pass as :func:`packed_last_states` (under the caller's grad mode), returning the hidden
+    states at positions ``at[b]`` (offsets within row ``b``) of every row, row after row: ``[sum(len(at[b])), H]``.
+    Teacher forcing reads an answer's every position this way (the model's output head then gives its logits)."""
+    hidden, packing = _packed_pass(model, prefix, rows)
+    starts = [0]
+    for length in packing.lengths[:-1]:
+        starts.append(starts[-1] + length)
+    index = torch.tensor([start + int(o) for start, offsets in zip(starts, at) for o in offsets],
+                         dtype=torch.long, device=hidden.device)  # [M]
+    return hidden[index]  # [M, H]
+
+
+def _packed_pass(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, Packing]:
+    """Rows laid end to end after ``prefix`` in one pass: every token's hidden state ``[N, H]`` and the packing."""
     use_shared_prefix_attention(model)
     device = prefix.keys[0].device
     packing = Packing.of([len(r) for r in rows], device)
     ids = torch.tensor([token for row in rows for token in row], dtype=torch.long, device=device)[None]  # [1, N]
     positions = (prefix.length + packing.offsets)[None]  # [1, N]: each row counts on from the prefix
     out = model.base_model(input_ids=ids, position_ids=positions, cache=prefix.fork(1, packing), use_cache=True)
-    return out.last_hidden_state[0, packing.last]  # [B, H]
+    return out.last_hidden_state[0], packing  # [N, H]

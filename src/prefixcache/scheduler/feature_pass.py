@@ -212,10 +212,16 @@ def own_rows(loaded: LoadedModel, task: Task, records: list, config: RunConfig =
         InputError: a record cannot be rendered, does not fit the context, or does not start with the prefix;
             naming the first :data:`MAX_NAMED`.
     """
-    collector = FeatureCollector(loaded, task)
-    stored = tuple(collector.prompt.prefix_ids)
+    return bound_own_rows(FeatureCollector(loaded, task), records, task.fields, config)
+
+
+def bound_own_rows(bound: BoundTask, records: list, text_fields, config: RunConfig = RUN) -> OwnRows:
+    """:func:`own_rows` through any bound task's own tokenization and routing (an
+    :class:`~prefixcache.scheduler.extract.Extractor`'s too); ``text_fields``: the record fields the text hashes
+    read. Raises as :func:`own_rows`."""
+    stored = tuple(bound.prompt.prefix_ids)
     ids, rows, hashes, errors = [], [], [], {}
-    for item in collector.prepare(records, config):
+    for item in bound.prepare(records, config):
         row = item.rows if item.error is None else None
         if row is not None and item.full:
             row = tuple(row[len(stored):]) if tuple(row[: len(stored)]) == stored and len(row) > len(stored) else None
@@ -224,8 +230,8 @@ def own_rows(loaded: LoadedModel, task: Task, records: list, config: RunConfig =
             continue
         ids.append(item.record.id)
         rows.append(tuple(row))
-        hashes.append(text_hash(item.record.fields, task.fields))
+        hashes.append(text_hash(item.record.fields, text_fields))
     if errors:
         named = "; ".join(f"{key!r}: {message}" for key, message in list(errors.items())[:MAX_NAMED])
         raise InputError(f"{len(errors)} training row(s) cannot be run: {named}")
-    return OwnRows(ids, rows, hashes, collector.prompt)
+    return OwnRows(ids, rows, hashes, bound.prompt)
