@@ -32,7 +32,7 @@ from prefixcache.engine.confidence import confidence_and_correct, expected_calib
 from prefixcache.engine.scoring import LabelScorer  # noqa: E402
 from prefixcache.eval.fit_head import fit_head  # noqa: E402
 from prefixcache.eval.tune_config import TuneConfig  # noqa: E402
-from prefixcache.eval.tune_prefix import tune_prefix  # noqa: E402
+from prefixcache.eval.tune_prefix import Hooks, tune_prefix  # noqa: E402
 from prefixcache.model.machine import machine_info  # noqa: E402
 from prefixcache.scheduler.classify import Classifier  # noqa: E402
 from prefixcache.scheduler.feature_pass import collect_features, own_rows, tuned_prefix  # noqa: E402
@@ -109,7 +109,8 @@ def main() -> None:
     own = own_rows(loaded, task, fit)
     scorer = LabelScorer(loaded.model, own.prompt, "first-token")
     fit_gold = np.array([labels.index(r["label"]) for r in fit_rows])
-    tuned = tune_prefix(loaded, scorer, own.prompt.prefix_ids, own.rows, fit_gold, config)
+    tuned = tune_prefix(loaded, scorer, own.prompt.prefix_ids, own.rows, fit_gold, config,
+                        Hooks(on_epoch=lambda e: print(e, file=sys.stderr, flush=True)))
     tuned.head.manifest.update(_manifest(tuned, loaded, own, config, task.name))
     logprobs, ms = timed_classify(loaded, task, tuned.head, scored)
     results["tuned prefix"] = figures(logprobs, gold, tuned.calibration.temperature) | {

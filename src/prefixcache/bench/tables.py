@@ -215,7 +215,23 @@ def accuracy_table(docs: list[dict]) -> str:
     return md_table(["data", "prompt alone", "fitted head", "head macro-F1"], rows) + caption(bare, facts)
 
 
-MULTI: dict[str, Callable] = {"accuracy": accuracy_table, "machines": machines_table}
+def tuning_table(docs: list[dict]) -> str:
+    """``studies/tuning_study.py`` runs: per data set, the prompt alone, a linear head, a tuned prefix and a tuned
+    prefix with a head refitted on its states, on rows held out of every fit."""
+    rows = []
+    for doc in docs:
+        where = f"{doc['data']} ({doc['fit_rows']} fitted -> {doc['scored_rows']} scored, {doc['prompt_tokens']}-token prompt)"
+        for name, row in doc["results"].items():
+            rows.append([where, name, f"{100 * row['accuracy']:.1f}%", f"{100 * row['ece']:.1f}%",
+                         duration(row["fit_seconds"]) if row["fit_seconds"] else "–", ms(row["ms_per_record"])])
+    commands = ", ".join(f"`{d['machine']['command']}`" for d in docs if d.get("machine", {}).get("command"))
+    bare = {**docs[0], "machine": {k: v for k, v in docs[0].get("machine", {}).items() if k != "command"}}
+    facts = f"{docs[0]['model']}, run dtype {docs[0]['machine'].get('dtype')}; the commands: {commands}"
+    return md_table(["data", "method", "accuracy", "calibration error", "fit", "ms / record (batched)"], rows) + \
+        caption(bare, facts)
+
+
+MULTI: dict[str, Callable] = {"accuracy": accuracy_table, "machines": machines_table, "tuning": tuning_table}
 KINDS: dict[str, Callable] = {
     "modes": modes_table, "lanes": lanes_table, "sweep": sweep_table,
     "labels": labels_table, "demo": demo_table, "loadtest": loadtest_table,

@@ -6,7 +6,13 @@ from __future__ import annotations
 import json
 import sys
 
+from dataclasses import replace
+
 from .errors import err, out
+
+# --dtype auto tunes in float32: on CPUs torch's bfloat16 backward pass is slower than float32's (measured:
+# docs/accuracy.md, "A tuned prefix"); a tuned prefix serves at any dtype, like a head.
+TUNING_DTYPE = "float32"
 
 
 def fit_prefix(job, config, as_json: bool) -> None:
@@ -23,7 +29,7 @@ def fit_prefix(job, config, as_json: bool) -> None:
 
     task = load_task(job.task)
     labelled = job.labelled(task)
-    loaded = job.load()
+    loaded = job.load() if job.dtype != "auto" else replace(job, dtype=TUNING_DTYPE).load()
     own = own_rows(loaded, task, labelled.records)
     scorer = LabelScorer(loaded.model, own.prompt, "first-token")
     position = {label: j for j, label in enumerate(scorer.labels)}
