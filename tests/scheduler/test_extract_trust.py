@@ -187,3 +187,11 @@ def test_bench_measures_the_copy_constraint_beside_the_schema_alone(setup):
     assert [lane.mode for lane in lanes] == ["full", "cached", "batched", SCHEMA_ONLY, STATIC]
     assert lanes[3].constrained and lanes[3].parse_errors == 0 and extractor.copied == ("ref",)
     assert lanes[4].identical == 1.0, "static batches give what the engine loop gives"
+
+
+def test_a_choice_field_with_no_value_is_scored_wrong_not_a_crash():
+    spec = parse_task(TASK, kinds=("extract",))
+    rows = [Scored(1, "ref A-1", {"ref": "A-1", "mood": "bad"}, {"ref": "A-1", "mood": "bad"}, {}),
+            Scored(2, "ref B-2", {"ref": "B-2", "mood": "good"}, {"ref": "B-2", "mood": None}, {})]  # an answer not parsed
+    mood = field_report(spec, "mood", rows)
+    assert mood.accuracy == pytest.approx(1 / 2) and mood.wrong == [{"id": 2, "gold": "good", "predicted": None}]

@@ -94,8 +94,10 @@ def field_report(task: ExtractTask, name: str, rows: Sequence[Scored], max_wrong
         report.missed = sum(1 for g, p in zip(gold, predicted) if g is not None and p is None)
         report.spurious = sum(1 for g, p in zip(gold, predicted) if g is None and p is not None)
     if kind == "choice":
+        gold_text, predicted_text = [str(r.gold.get(name)) for r in rows], [str(r.predicted.get(name)) for r in rows]
         labels = list(task.fields[name].values or ())
-        metrics = compute_metrics([str(r.gold.get(name)) for r in rows], [str(r.predicted.get(name)) for r in rows], labels)
+        outside = sorted({*gold_text, *predicted_text} - set(labels))  # "None": no value (an answer not parsed, say)
+        metrics = compute_metrics(gold_text, predicted_text, labels + outside)
         report.accuracy, report.macro_f1 = metrics.accuracy, metrics.macro_f1
     report.curve = coverage_curve([r.confidence.get(name) for r in rows], right)
     return report
