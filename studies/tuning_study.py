@@ -55,11 +55,10 @@ def split(args, task) -> tuple[list[dict], list[dict]]:
     return fit, stratified_take(rows, args.scored_per_label, args.seed + 1, exclude=taken)
 
 
-def figures(logprobs: np.ndarray, gold: np.ndarray, temperature: float = 1.0) -> dict:
-    """Accuracy and calibration error of label log-probs ``[N, L]`` (calibrated by ``temperature``)."""
-    scaled = logprobs / temperature
-    scaled = scaled - np.logaddexp.reduce(scaled, axis=1, keepdims=True)
-    confidence, correct = confidence_and_correct(scaled, gold)
+def figures(logprobs: np.ndarray, gold: np.ndarray) -> dict:
+    """Accuracy and calibration error of label log-probs ``[N, L]`` as ``classify`` gives them (calibrated by the
+    head's stored temperature, where it has one)."""
+    confidence, correct = confidence_and_correct(logprobs, gold)
     return {"accuracy": float(correct.mean()), "ece": expected_calibration_error(confidence, correct)}
 
 
@@ -103,7 +102,7 @@ def main() -> None:
     head = fit_head(features, [r["label"] for r in fit_rows], folds=5, seed=args.seed).head
     seconds = time.perf_counter() - started
     logprobs, ms = timed_classify(loaded, task, head, scored)
-    results["linear head"] = figures(logprobs, gold, _temperature(head)) | {"fit_seconds": seconds, "ms_per_record": ms}
+    results["linear head"] = figures(logprobs, gold) | {"fit_seconds": seconds, "ms_per_record": ms}
 
     config = TuneConfig(epochs=args.epochs, seed=args.seed, virtual_tokens=args.virtual_tokens)
     own = own_rows(loaded, task, fit)
@@ -113,7 +112,7 @@ def main() -> None:
                         Hooks(on_epoch=lambda e: print(e, file=sys.stderr, flush=True)))
     tuned.head.manifest.update(_manifest(tuned, loaded, own, config, task.name))
     logprobs, ms = timed_classify(loaded, task, tuned.head, scored)
-    results["tuned prefix"] = figures(logprobs, gold, tuned.calibration.temperature) | {
+    results["tuned prefix"] = figures(logprobs, gold) | {
         "fit_seconds": tuned.seconds, "ms_per_record": ms, "epochs": [vars(e) for e in tuned.epochs],
         "best_epoch": tuned.best_epoch, "heldout_accuracy": tuned.heldout_accuracy, "prefix_tokens": tuned.head.prefix.length}
 
@@ -124,7 +123,7 @@ def main() -> None:
                         dict(tuned.head.manifest, calibration=refit.manifest.get("calibration")), tuned.head.prefix)
     seconds = tuned.seconds + time.perf_counter() - started
     logprobs, ms = timed_classify(loaded, task, refit, scored)
-    results["tuned prefix + head"] = figures(logprobs, gold, _temperature(refit)) | {"fit_seconds": seconds, "ms_per_record": ms}
+    results["tuned prefix + head"] = figures(logprobs, gold) | {"fit_seconds": seconds, "ms_per_record": ms}
 
     document = {"data": args.data, "task": task.name, "model": loaded.identity, "fit_rows": len(fit_rows),
                 "scored_rows": len(scored_rows), "labels": len(labels), "prompt_tokens": len(own.prompt.prefix_ids),
@@ -133,11 +132,6 @@ def main() -> None:
     for name, row in results.items():
         print(f"{name:22s} accuracy {row['accuracy']:.1%}  ECE {row['ece']:.1%}  fit {row['fit_seconds']:.0f} s  "
               f"{row['ms_per_record']:.1f} ms/record")
-
-
-def _temperature(head) -> float:
-    calibration = head.manifest.get("calibration") or {}
-    return float(calibration.get("temperature", 1.0))
 
 
 def _manifest(tuned, loaded, own, config, task_name) -> dict:

@@ -62,7 +62,7 @@ def test_tuning_changes_the_prefix_and_learns_what_the_untuned_prompt_does_not(t
     first, last = tuned_llama.epochs[0], tuned_llama.epochs[-1]
     assert last.train_loss < first.train_loss, f"the training loss did not fall: {[e.train_loss for e in tuned_llama.epochs]}"
     assert tuned_llama.heldout_accuracy >= tuned_llama.start_accuracy + 0.2, (
-        f"held out: tuned {tuned_llama.heldout_accuracy:.0%}, untuned prompt {tuned_llama.start_accuracy:.0%}")
+        f"held out: tuned {tuned_llama.heldout_accuracy:.0%}, at the start {tuned_llama.start_accuracy:.0%}")
 
 
 def test_a_tuned_prefix_classifies_unseen_rows_better_than_the_untuned_prompt(tiny_llama, task, tuned_llama):
