@@ -61,7 +61,7 @@ def _bar(config, rows: int):
 def _table(tuned):
     from rich.table import Table
 
-    table = Table(title=f"prefix tuning (held out: {len(tuned.correct)} rows; at the start, untuned prefix and warm head {tuned.start_accuracy:.1%})")
+    table = Table(title=f"prefix tuning (held out: {len(tuned.correct)} rows; untuned prompt {tuned.start_accuracy:.1%})")
     for column in ("epoch", "train loss", "held-out accuracy", "held-out loss", "seconds"):
         table.add_column(column, justify="right")
     for e in tuned.epochs:
