@@ -240,8 +240,10 @@ def test_pool_metrics_evictions_and_budget(loaded, task, extract_task):
     assert metric(samples, "prefixcache_pool_hits_total") == 1
     assert metric(samples, "prefixcache_pool_evictions_total") == 3
     assert metric(samples, "prefixcache_pool_bytes") == extract_bytes <= budget
-    reserved = metric(samples, "prefixcache_pool_reserved_bytes")  # the extraction's slot store, in the same budget
-    assert one_slot <= reserved and extract_bytes + reserved <= budget
+    # the extraction's slot store, in the same budget; a store of fewer slots than a step's rows is given back when
+    # the model thread goes idle (EngineLoop.trim), so by the time the metrics are read it may be gone
+    reserved = metric(samples, "prefixcache_pool_reserved_bytes")
+    assert (reserved == 0 or one_slot <= reserved) and extract_bytes + reserved <= budget
     assert metric(samples, "prefixcache_pool_budget_bytes") == budget
     assert metric(samples, "prefixcache_pool_entries") == 1 and metric(samples, "prefixcache_pool_pinned") == 0
     assert metric(samples, "prefixcache_pool_prefill_tokens_saved_total") > 0
