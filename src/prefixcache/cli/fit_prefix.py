@@ -59,15 +59,21 @@ def _bar(config, rows: int):
 
 
 def _table(tuned):
+    title = f"prefix tuning (held out: {len(tuned.correct)} rows; untuned prompt {tuned.start_accuracy:.1%})"
+    caption = (f"* kept; calibration error on the held-out rows {tuned.ece[0]:.1%} raw, {tuned.ece[1]:.1%} at "
+               f"temperature {tuned.calibration.temperature:.3f}")
+    return epochs_table(title, "held-out accuracy", tuned.epochs, tuned.best_epoch, caption)
+
+
+def epochs_table(title: str, accuracy: str, epochs, best_epoch: int, caption: str):
+    """A tuning run's epochs as a table (the kept one starred); ``accuracy``: that column's name."""
     from rich.table import Table
 
-    table = Table(title=f"prefix tuning (held out: {len(tuned.correct)} rows; untuned prompt {tuned.start_accuracy:.1%})")
-    for column in ("epoch", "train loss", "held-out accuracy", "held-out loss", "seconds"):
+    table = Table(title=title, caption=caption)
+    for column in ("epoch", "train loss", accuracy, "held-out loss", "seconds"):
         table.add_column(column, justify="right")
-    for e in tuned.epochs:
-        mark = " *" if e.epoch == tuned.best_epoch else ""
+    for e in epochs:
+        mark = " *" if e.epoch == best_epoch else ""
         table.add_row(f"{e.epoch}{mark}", f"{e.train_loss:.4f}", f"{e.heldout_accuracy:.1%}", f"{e.heldout_loss:.4f}",
                       f"{e.seconds:.0f}")
-    table.caption = (f"* kept; calibration error on the held-out rows {tuned.ece[0]:.1%} raw, {tuned.ece[1]:.1%} at "
-                     f"temperature {tuned.calibration.temperature:.3f}")
     return table

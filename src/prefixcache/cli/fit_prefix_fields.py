@@ -79,15 +79,8 @@ def _bar(config, rows: int):
 
 
 def _table(tuned):
-    from rich.table import Table
+    from .fit_prefix import epochs_table
 
-    table = Table(title=f"prefix tuning on answers (held out: {len(tuned.heldout)} rows; untuned prompt: token "
-                        f"accuracy {tuned.start_accuracy:.1%}, loss {tuned.start_loss:.4f})")
-    for column in ("epoch", "train loss", "held-out token accuracy", "held-out loss", "seconds"):
-        table.add_column(column, justify="right")
-    for e in tuned.epochs:
-        mark = " *" if e.epoch == tuned.best_epoch else ""
-        table.add_row(f"{e.epoch}{mark}", f"{e.train_loss:.4f}", f"{e.heldout_accuracy:.1%}", f"{e.heldout_loss:.4f}",
-                      f"{e.seconds:.0f}")
-    table.caption = "* kept (lowest held-out loss)"
-    return table
+    title = (f"prefix tuning on answers (held out: {len(tuned.heldout)} rows; untuned prompt: token accuracy "
+             f"{tuned.start_accuracy:.1%}, loss {tuned.start_loss:.4f})")
+    return epochs_table(title, "held-out token accuracy", tuned.epochs, tuned.best_epoch, "* kept (lowest held-out loss)")
