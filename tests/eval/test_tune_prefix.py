@@ -163,3 +163,16 @@ def test_suggest_reads_features_through_the_tuned_prefix_from_a_store_of_their_o
     assert ran == 6 and len(list(tmp_path.iterdir())) == 2, "the tuned prefix's features need a store of their own"
     assert np.allclose(through_head.features, direct.features, atol=1e-5)
     assert not np.allclose(through_head.features, plain.features, atol=1e-3)
+
+
+def test_tuning_makes_its_tensors_on_the_models_device_not_torchs_default(tiny_llama, task):
+    """With meta as torch's default device, tuning on the CPU model gives what it gives with the CPU as default: every
+    tensor it makes follows the model (so a GPU model tunes on its GPU)."""
+    config = TuneConfig(epochs=1, batch_size=4, seed=1)
+    expected = tune(tiny_llama, task, labelled(12, 6), config).head.digest()
+    torch.set_default_device("meta")
+    try:
+        got = tune(tiny_llama, task, labelled(12, 6), config).head.digest()
+    finally:
+        torch.set_default_device("cpu")
+    assert got == expected

@@ -199,8 +199,8 @@ def _start(loaded, scorer, prefix_ids, rows, train, config: TuneConfig) -> _Star
                         for chunk in np.array_split(train, max(1, len(train) // 32))])  # [N_train, H]
     mean, scale = states.mean(0), states.std(0).clamp_min(1e-4)  # [H], [H]
     leaves = lambda ts: [t.detach().float().clone().requires_grad_(True) for t in ts]  # noqa: E731
-    weight = torch.zeros(len(scorer.labels), states.shape[1], requires_grad=True)  # [L, H]
-    bias = torch.zeros(len(scorer.labels), requires_grad=True)  # [L]
+    weight = torch.zeros(len(scorer.labels), states.shape[1], device=states.device, requires_grad=True)  # [L, H]
+    bias = torch.zeros(len(scorer.labels), device=states.device, requires_grad=True)  # [L]
     params = _Params(leaves(prefix.keys), leaves(prefix.values), weight, bias, prefix.token_ids)
     return _Start(params, mean, scale)
 
@@ -227,7 +227,7 @@ class _Trainer:
         total, size = 0.0, self.config.batch_size
         for start in range(0, len(order), size):
             chunk = order[start : start + size]
-            loss = torch.nn.functional.nll_loss(self.batch_log_probs(chunk), torch.as_tensor(self.gold[chunk]))
+            loss = torch.nn.functional.nll_loss(self.batch_log_probs(chunk), torch.as_tensor(self.gold[chunk], device=self.mean.device))
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
@@ -241,15 +241,15 @@ class _Trainer:
         step = 2 * self.config.batch_size
         with torch.inference_mode():
             parts = [self.batch_log_probs(index[s : s + step]) for s in range(0, len(index), step)]
-        return torch.cat(parts).float().numpy() if parts else np.zeros((0, len(self.scorer.labels)), np.float32)
+        return torch.cat(parts).float().cpu().numpy() if parts else np.zeros((0, len(self.scorer.labels)), np.float32)
 
     def head(self) -> FittedHead:
         """The parameters as a head on the prompt (prompt scale 1) over raw ``last`` states, with its prefix."""
         params = self.params
-        weight, bias = fold_standardization(params.weight.detach().numpy(), params.bias.detach().numpy(),
-                                            self.mean.numpy(), self.scale.numpy())
-        prefix = PrefixKV(params.token_ids, tuple(k.detach().float().contiguous() for k in params.keys),
-                          tuple(v.detach().float().contiguous() for v in params.values))
+        cpu = lambda t: t.detach().cpu().numpy()  # noqa: E731
+        weight, bias = fold_standardization(cpu(params.weight), cpu(params.bias), cpu(self.mean), cpu(self.scale))
+        prefix = PrefixKV(params.token_ids, tuple(k.detach().float().cpu().contiguous() for k in params.keys),
+                          tuple(v.detach().float().cpu().contiguous() for v in params.values))
         return FittedHead(weight, bias, 1.0, tuple(self.scorer.labels), "last", {}, prefix)
 
 
