@@ -5,8 +5,9 @@ held out of every fit and of the prompt.
 Each run writes one JSON (``--json``) that names its machine, the rows and every figure: accuracy and calibration
 error on the scored rows, fit wall time, and classification ms/record (batched, same machine, same run) for the
 prompt's prefix and the tuned one. Everything is computed by the package itself: ``collect_features`` and
-``fit_head`` (what ``prefixcache fit`` runs), ``tune_prefix`` (what ``fit --tune prefix`` runs) and ``Classifier``
-(what ``classify --head`` runs).
+``fit_head`` (what ``prefixcache fit`` runs), ``tune_prefix`` (the prefix and head ``fit --tune prefix
+--no-refit-head`` writes), ``refit_head`` (the head ``fit --tune prefix`` writes with the prefix by default) and
+``Classifier`` (what ``classify --head`` runs).
 
     .venv/bin/python studies/tuning_study.py banking77 --per-label 10 --scored-per-label 4 --json docs/bench/tuning-banking77.json
     .venv/bin/python studies/tuning_study.py tickets --json docs/bench/tuning-tickets.json
@@ -31,11 +32,12 @@ from accuracy_study import (  # noqa: E402  (the data sets and splits of the hea
 from prefixcache.engine.confidence import confidence_and_correct, expected_calibration_error  # noqa: E402
 from prefixcache.engine.scoring import LabelScorer  # noqa: E402
 from prefixcache.eval.fit_head import fit_head  # noqa: E402
-from prefixcache.eval.tune_config import TuneConfig  # noqa: E402
-from prefixcache.eval.tune_prefix import Hooks, tune_prefix  # noqa: E402
+from prefixcache.eval.tune_config import RefitConfig, TuneConfig  # noqa: E402
+from prefixcache.eval.tune_prefix import Hooks, tune_prefix, tuned_manifest  # noqa: E402
+from prefixcache.eval.tune_refit import refit_head, refit_manifest  # noqa: E402
 from prefixcache.model.machine import machine_info  # noqa: E402
 from prefixcache.scheduler.classify import Classifier  # noqa: E402
-from prefixcache.scheduler.feature_pass import collect_features, own_rows, tuned_prefix  # noqa: E402
+from prefixcache.scheduler.feature_pass import collect_features, own_rows  # noqa: E402
 from prefixcache.types import Mode, Record, RunConfig  # noqa: E402
 
 DATA = {"banking77": ("banking77-short", banking77_rows), "natcs71": ("natcs-intents-short", natcs71_rows)}
@@ -110,19 +112,17 @@ def main() -> None:
     fit_gold = np.array([labels.index(r["label"]) for r in fit_rows])
     tuned = tune_prefix(loaded, scorer, own.prompt.prefix_ids, own.rows, fit_gold, config,
                         Hooks(on_epoch=lambda e: print(e, file=sys.stderr, flush=True)))
-    tuned.head.manifest.update(_manifest(tuned, loaded, own, config, task.name))
+    tuned.head.manifest.update(tuned_manifest(tuned, loaded, own, config, task.name))
     logprobs, ms = timed_classify(loaded, task, tuned.head, scored)
     results["tuned prefix"] = figures(logprobs, gold) | {
         "fit_seconds": tuned.seconds, "ms_per_record": ms, "epochs": [vars(e) for e in tuned.epochs],
         "best_epoch": tuned.best_epoch, "heldout_accuracy": tuned.heldout_accuracy, "prefix_tokens": tuned.head.prefix.length}
 
-    started = time.perf_counter()
-    features = collect_features(loaded, task, fit, config=RunConfig(batch_size=32), tuned=tuned_prefix(tuned.head))
-    refit = fit_head(features, [r["label"] for r in fit_rows], folds=5, seed=args.seed).head
-    refit = type(refit)(refit.weight, refit.bias, refit.prompt_scale, refit.labels, refit.feature,
-                        dict(tuned.head.manifest, calibration=refit.manifest.get("calibration")), tuned.head.prefix)
-    seconds = tuned.seconds + time.perf_counter() - started
-    logprobs, ms = timed_classify(loaded, task, refit, scored)
+    refitted = refit_head(loaded, task, fit, [r["label"] for r in fit_rows], tuned, RefitConfig(seed=args.seed),
+                          RunConfig(batch_size=32))  # what `fit --tune prefix` writes by default
+    refitted.tuned.head.manifest.update(refit_manifest(refitted, tuned.head.manifest))
+    seconds = tuned.seconds + refitted.seconds
+    logprobs, ms = timed_classify(loaded, task, refitted.tuned.head, scored)
     results["tuned prefix + head"] = figures(logprobs, gold) | {"fit_seconds": seconds, "ms_per_record": ms}
 
     document = {"data": args.data, "task": task.name, "model": loaded.identity, "fit_rows": len(fit_rows),
@@ -133,11 +133,6 @@ def main() -> None:
         print(f"{name:22s} accuracy {row['accuracy']:.1%}  ECE {row['ece']:.1%}  fit {row['fit_seconds']:.0f} s  "
               f"{row['ms_per_record']:.1f} ms/record")
 
-
-def _manifest(tuned, loaded, own, config, task_name) -> dict:
-    from prefixcache.eval.tune_prefix import tuned_manifest
-
-    return tuned_manifest(tuned, loaded, own, config, task_name)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Prefix tuning on tiny random models: the tuned prefix learns, is stored and read back bit for bit, is refused
 for another model or task, and is served by the classifier, one record per pass equal to batched (the form
-invariant 1 takes for a prefix that has no text to re-encode), through the pool and its disk tier too."""
+invariant 1 takes for a prefix that has no text to re-encode), through the pool and its disk tier too. The head
+``fit --tune prefix`` writes with it by default is ``fit_head`` over the tuned prefix's states, calibrated on the
+rows tuning held out."""
 
 from __future__ import annotations
 
@@ -15,12 +17,16 @@ from prefixcache.cache.pool import PrefixPool
 from prefixcache.engine.head_file import load_head, save_head
 from prefixcache.engine.scoring import LabelScorer
 from prefixcache.errors import HeadMismatchError, InputError
-from prefixcache.eval.tune_config import TuneConfig
+from prefixcache.eval import tune_refit
+from prefixcache.eval.fit_head import fit_head
+from prefixcache.eval.tune_config import RefitConfig, TuneConfig
 from prefixcache.eval.tune_prefix import start_prefix, tune_prefix, tuned_manifest
+from prefixcache.eval.tune_refit import refit_head, refit_manifest
+from prefixcache.eval.verify import verify
 from prefixcache.scheduler.classify import Classifier
-from prefixcache.scheduler.feature_pass import own_rows
+from prefixcache.scheduler.feature_pass import collect_features, own_rows, tuned_prefix
 from prefixcache.task.definition import parse_task
-from prefixcache.types import Mode, Record, RunConfig
+from prefixcache.types import DEFAULT_FEATURE, Mode, Record, RunConfig
 from tests.support.tasks import LABELS, TASK_YAML
 
 # Each label is carried by a word no other label's rows use, said last, so a prefix (and head) can learn it on a
@@ -176,3 +182,71 @@ def test_tuning_makes_its_tensors_on_the_models_device_not_torchs_default(tiny_l
     finally:
         torch.set_default_device("cpu")
     assert got == expected
+
+
+@pytest.fixture(scope="module")
+def refitted(tiny_llama, task, tuned_llama):
+    """The head ``fit --tune prefix`` writes by default, over ``tuned_llama``'s prefix and rows, with its manifest."""
+    records = labelled(90, seed=0)
+    gold = [r.fields["label"] for r in records]
+    refit = refit_head(tiny_llama, task, records, gold, tuned_llama, RefitConfig(folds=3))
+    refit.tuned.head.manifest.update(refit_manifest(refit, tuned_llama.head.manifest))
+    return refit
+
+
+def test_the_refitted_head_is_fit_head_over_the_tuned_prefixs_states(tiny_llama, task, tuned_llama, refitted):
+    records = labelled(90, seed=0)
+    gold = [r.fields["label"] for r in records]
+    head = refitted.tuned.head
+    assert head.prefix is tuned_llama.head.prefix, "refitting the head changed or dropped the tuned prefix"
+    through_tuned = collect_features(tiny_llama, task, records, feature=DEFAULT_FEATURE,
+                                     tuned=tuned_prefix(tuned_llama.head))
+    assert torch.equal(head.weight, fit_head(through_tuned, gold, folds=3).head.weight)
+    untuned = fit_head(collect_features(tiny_llama, task, records), gold, folds=3).head
+    assert not torch.allclose(head.weight, untuned.weight, atol=1e-3), "fitted on the untuned prompt's states"
+    assert (head.feature, head.prompt_scale) == (through_tuned.feature, 0.0), "not fit's head (default feature)"
+    assert (tuned_llama.head.feature, tuned_llama.head.prompt_scale) == ("last", 1.0)
+    assert head.manifest["tuned"]["head"] == "refitted" and tuned_llama.head.manifest["tuned"]["head"] == "joint"
+
+
+def test_the_refitted_heads_calibration_is_fitted_on_the_held_out_rows_by_a_head_not_fitted_on_them(
+        tiny_llama, task, tuned_llama, monkeypatch):
+    seen = []
+    real = tune_refit.split_log_probs
+
+    def spy(features, y, train, scored, C, **kw):
+        seen.append((set(train.tolist()), set(scored.tolist())))
+        return real(features, y, train, scored, C, **kw)
+
+    monkeypatch.setattr(tune_refit, "split_log_probs", spy)
+    records = labelled(90, seed=0)
+    gold = [r.fields["label"] for r in records]
+    refit = refit_head(tiny_llama, task, records, gold, tuned_llama, RefitConfig(folds=3))
+    ((train, scored),) = seen
+    assert scored == set(tuned_llama.heldout.tolist()) and not train & scored and len(train | scored) == 90
+    assert len(refit.tuned.correct) == len(tuned_llama.heldout), "calibrated on other rows than the held-out ones"
+    manifest = refit_manifest(refit, tuned_llama.head.manifest)
+    assert len(manifest["oof"]["correct"]) == len(tuned_llama.heldout) == manifest["cv"]["heldout_rows"]
+    assert manifest["cv"]["accuracy"] == pytest.approx(float(np.mean(manifest["oof"]["correct"])))
+
+
+def test_the_refitted_head_classifies_unseen_rows_better_than_the_untuned_prompt(tiny_llama, task, refitted):
+    unseen = labelled(60, seed=7)
+    gold = [r.fields["label"] for r in unseen]
+    config = RunConfig(Mode.BATCHED, 8)
+    prompt = [p.label for p in Classifier(tiny_llama, task).classify_all(unseen, config)]
+    refit = [p.label for p in Classifier(tiny_llama, task, head=refitted.tuned.head).classify_all(unseen, config)]
+    right = lambda labels: np.mean([a == b for a, b in zip(labels, gold)])  # noqa: E731
+    assert right(refit) > right(prompt) + 0.15, f"refitted {right(refit):.0%}, prompt {right(prompt):.0%}"
+
+
+def test_the_refitted_file_is_refused_elsewhere_and_verifies(tiny_llama, tiny_qwen2, task, refitted, tmp_path):
+    head = load_head(save_head(refitted.tuned.head, tmp_path / "refitted.safetensors"))
+    assert head.prefix.checksum() == refitted.joint.head.prefix.checksum(), "the file's prefix is not the tuned one"
+    with pytest.raises(HeadMismatchError, match="model"):
+        Classifier(tiny_qwen2, task, head=head)
+    other = parse_task(TASK_YAML.replace("Classify the customer support ticket.", "Sort the ticket."), "other.yaml")
+    with pytest.raises(HeadMismatchError, match="prompt"):
+        Classifier(tiny_llama, other, head=head)
+    checked = verify(Classifier(tiny_llama, task, head=head), labelled(12, seed=8), RunConfig(Mode.BATCHED, 4))
+    assert checked.ok and checked.reference == "cached" and checked.stored_prefix_equal is True

@@ -11,9 +11,8 @@ import typer
 
 from .errors import reported, err, out, output_path
 from .loading import load, progress
-from ..eval.tune_config import TUNE_CHOICES, TuneConfig
-from ..types import DEFAULT_FEATURE
-from .options import EpochsOpt, TuneLrOpt, TuneOpt, VirtualTokensOpt
+from ..eval.tune_config import TUNE_CHOICES, RefitConfig, TuneConfig
+from .options import EpochsOpt, FeatureOpt, RefitHeadOpt, TuneLrOpt, TuneOpt, VirtualTokensOpt
 from .options import BatchOpt, DtypeOpt, IdFieldOpt, LabelFieldOpt, ModelOpt, TaskOpt, TextFieldOpt, ThreadsOpt
 
 if TYPE_CHECKING:  # annotations only: the command imports these when it runs
@@ -33,10 +32,7 @@ def fit(
         "calibration file (default: <task file>.calibration.json beside the task file)."),
     prompt_only: bool = typer.Option(False, "--prompt-only", help="No head: calibrate the prompt's own label scores on "
                                      "the rows and write a calibration file (name it in the task file: calibration:)."),
-    feature: str = typer.Option(
-        DEFAULT_FEATURE, "--feature",
-        help="Features: last, mean, last@K, mean@K, last@P/Q (a fraction of the depth), joined by + (docs/accuracy.md).",
-    ),
+    feature: str = FeatureOpt,
     on_prompt: bool = typer.Option(False, "--on-prompt", help="Fit a head that corrects the prompt's own label scores."),
     folds: int = typer.Option(5, "--folds", min=2, help="Stratified cross-validation folds (capped at the smallest label's rows)."),
     curve: Optional[str] = typer.Option(None, "--curve", help="Rows per label such as 1,2,5,10,all: held-out accuracy "
@@ -56,10 +52,12 @@ def fit(
     epochs: int = EpochsOpt,
     lr: float = TuneLrOpt,
     virtual_tokens: Optional[int] = VirtualTokensOpt,
+    refit_head: bool = RefitHeadOpt,
 ):
     """Fit a label head on labelled rows: prints the cross-validated eval report and writes the head, calibrated on its
     out-of-fold predictions. With --prompt-only: calibrate the prompt's own scores and write a calibration file.
-    With --field: a head for a choice field of an extraction task (used by `extract --head FIELD=FILE`)."""
+    With --field: a head for a choice field of an extraction task (used by `extract --head FIELD=FILE`).
+    With --tune prefix: the task's cached prefix tuned, written with a head refitted on its states."""
     from ..engine.features import FeatureSpec
     from ..engine.head_file import save_head
     from ..eval.fit_curve import parse_shots
@@ -70,7 +68,8 @@ def fit(
         return fit_prompt_only(job)
     _check_out(out_path, plot if field is None else None)
     if field is not None or tune != "head":
-        return _fit_other(job, field, tune, TuneConfig(epochs, lr, seed=seed, virtual_tokens=virtual_tokens), folds, as_json)
+        config = TuneConfig(epochs, lr, seed=seed, virtual_tokens=virtual_tokens)
+        return _fit_other(job, field, tune, config, RefitConfig(refit_head, feature, folds, on_prompt, seed), as_json)
     FeatureSpec.parse(feature)  # a bad spec is refused before the model loads
     shots = parse_shots(curve) if curve is not None else None
     spec = load_task(task)
@@ -85,9 +84,11 @@ def fit(
     err.print(f"wrote {written} ({len(features.labels)} labels, {features.features.shape[1]} features, fit {result.seconds:.1f} s)")
 
 
-def _fit_other(job: FitJob, field: Optional[str], tune: str, config: TuneConfig, folds: int, as_json: bool) -> None:
-    """``fit --field`` (a choice field's head) or ``fit --tune prefix`` (a tuned prefix with its head; for an
-    extraction task, a tuned prefix on the gold fields' answers)."""
+def _fit_other(job: FitJob, field: Optional[str], tune: str, config: TuneConfig, head: RefitConfig,
+               as_json: bool) -> None:
+    """``fit --field`` (a choice field's head, cross-validated over ``head.folds``) or ``fit --tune prefix`` (a tuned
+    prefix with its head, refitted on its states as ``head`` says; for an extraction task, a tuned prefix on the gold
+    fields' answers)."""
     if tune not in TUNE_CHOICES:
         raise typer.BadParameter(f"{tune!r} is not one of {', '.join(TUNE_CHOICES)}", param_hint="--tune")
     if field is not None:
@@ -95,7 +96,7 @@ def _fit_other(job: FitJob, field: Optional[str], tune: str, config: TuneConfig,
             raise typer.BadParameter("a choice field's head is a head: drop --tune prefix", param_hint="--tune")
         from .fit_field import fit_field
 
-        return fit_field(job, field, folds, config.seed, as_json)
+        return fit_field(job, field, head.folds, config.seed, as_json)
     from ..task.definition import ExtractTask, load_any_task
 
     spec = load_any_task(job.task)
@@ -105,7 +106,7 @@ def _fit_other(job: FitJob, field: Optional[str], tune: str, config: TuneConfig,
         return fit_prefix_fields(job, spec, config, as_json)
     from .fit_prefix import fit_prefix
 
-    return fit_prefix(job, config, as_json)
+    return fit_prefix(job, config, head, as_json)
 
 
 @dataclass(frozen=True)

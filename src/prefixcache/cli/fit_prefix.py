@@ -1,5 +1,5 @@
-"""``prefixcache fit --tune prefix``: tune the task's cached prefix with a head on labelled rows, and write it as a
-head file that every ``--head`` path takes."""
+"""``prefixcache fit --tune prefix``: tune the task's cached prefix with a head on labelled rows, refit the head on the
+tuned prefix's states (unless ``--no-refit-head``), and write them as a head file that every ``--head`` path takes."""
 
 from __future__ import annotations
 
@@ -15,18 +15,22 @@ from .errors import err, out
 TUNING_DTYPE = "float32"
 
 
-def fit_prefix(job, config, as_json: bool) -> None:
-    """Tune, report the epochs and the held-out figures (one JSON object with ``as_json``), write ``job.out_path``.
-    ``job``: the command's :class:`~prefixcache.cli.fit.FitJob`; ``config``: a
-    :class:`~prefixcache.eval.tune_config.TuneConfig`."""
+def fit_prefix(job, config, refit, as_json: bool) -> None:
+    """Tune, refit the head, report the epochs and the held-out figures (one JSON object with ``as_json``), write
+    ``job.out_path``. ``job``: the command's :class:`~prefixcache.cli.fit.FitJob`; ``config``: a
+    :class:`~prefixcache.eval.tune_config.TuneConfig`; ``refit``: a
+    :class:`~prefixcache.eval.tune_config.RefitConfig`."""
+    from ..engine.features import FeatureSpec
     from ..engine.head_file import save_head
     from ..engine.scoring import LabelScorer
     import numpy as np
 
-    from ..eval.tune_prefix import Hooks, tune_prefix, tuned_manifest
+    from ..eval.tune_prefix import Hooks, tune_prefix
     from ..scheduler.feature_pass import own_rows
     from ..task.definition import load_task
 
+    if refit.enabled:
+        FeatureSpec.parse(refit.feature)  # a bad spec is refused before the model loads
     task = load_task(job.task)
     labelled = job.labelled(task)
     loaded = job.load() if job.dtype != "auto" else replace(job, dtype=TUNING_DTYPE).load()
@@ -39,16 +43,37 @@ def fit_prefix(job, config, as_json: bool) -> None:
     with _bar(config, len(own.rows)) as bar:
         hooks = Hooks(on_batch=lambda n, loss: (bar.set_postfix(loss=f"{loss:.3f}", refresh=False), bar.update(n)),
                       on_epoch=lambda e: bar.set_postfix(loss=f"{e.train_loss:.3f}", heldout=f"{e.heldout_accuracy:.1%}"))
-        tuned = tune_prefix(loaded, scorer, own.prompt.prefix_ids, own.rows, gold, config, hooks)
-    tuned.head.manifest.update(tuned_manifest(tuned, loaded, own, config, task.name))
+        joint = tune_prefix(loaded, scorer, own.prompt.prefix_ids, own.rows, gold, config, hooks)
+    tuned, manifest = _written(job, (loaded, task, labelled, own), joint, config, refit)
+    tuned.head.manifest.update(manifest)
     written = save_head(tuned.head, job.out_path)
-    document = tuned.head.manifest["tuned"]
     if as_json:
-        print(json.dumps({"tuned": document, "cv": tuned.head.manifest["cv"], "out": str(written)}))
+        print(json.dumps({"tuned": manifest["tuned"], "cv": manifest["cv"], "refit": manifest.get("refit"),
+                          "out": str(written)}))
     else:
-        out.print(_table(tuned))
-    err.print(f"wrote {written} ({tuned.head.prefix.length}-token tuned prefix, {len(tuned.head.labels)} labels, "
-              f"{tuned.seconds:.0f} s)")
+        out.print(_table(joint))
+        if refit.enabled:
+            out.print(_refit_line(tuned, joint, manifest["refit"]))
+    which = "a head refitted on its states" if refit.enabled else "the head trained with it"
+    err.print(f"wrote {written} ({tuned.head.prefix.length}-token tuned prefix with {which}, {len(tuned.head.labels)} "
+              f"labels, {joint.seconds + manifest.get('refit', {}).get('seconds', 0.0):.0f} s)")
+
+
+def _written(job, run, joint, config, refit):
+    """What the file holds: the tuning's result with the head refitted on the tuned prefix's states (``refit``), or
+    as trained (``--no-refit-head``), and its manifest. ``run``: (loaded model, task, labelled rows, own rows)."""
+    from ..eval.tune_prefix import tuned_manifest
+    from ..eval.tune_refit import refit_head, refit_manifest
+    from ..types import RunConfig
+
+    loaded, task, labelled, own = run
+    manifest = tuned_manifest(joint, loaded, own, config, task.name)
+    if not refit.enabled:
+        return joint, manifest
+    err.print(f"refitting the head on the tuned prefix's states ({refit.folds}-fold cross-validation)…")
+    features = RunConfig(batch_size=job.batch_size)
+    refitted = refit_head(loaded, task, labelled.records, labelled.gold, joint, refit, features)
+    return refitted.tuned, refit_manifest(refitted, manifest)
 
 
 def _bar(config, rows: int):
@@ -60,9 +85,17 @@ def _bar(config, rows: int):
 
 def _table(tuned):
     title = f"prefix tuning (held out: {len(tuned.correct)} rows; untuned prompt {tuned.start_accuracy:.1%})"
-    caption = (f"* kept; calibration error on the held-out rows {tuned.ece[0]:.1%} raw, {tuned.ece[1]:.1%} at "
-               f"temperature {tuned.calibration.temperature:.3f}")
+    caption = (f"* kept; the head trained with the prefix: calibration error on the held-out rows {tuned.ece[0]:.1%} "
+               f"raw, {tuned.ece[1]:.1%} at temperature {tuned.calibration.temperature:.3f}")
     return epochs_table(title, "held-out accuracy", tuned.epochs, tuned.best_epoch, caption)
+
+
+def _refit_line(tuned, joint, refit: dict) -> str:
+    """The refitted head's held-out figures beside the joint head's (the head written, and the one it replaced)."""
+    return (f"head refitted on the tuned prefix's states ({refit['feature']}, C = {refit['C']:g}): held-out "
+            f"accuracy {tuned.heldout_accuracy:.1%} (the head trained with the prefix: {joint.heldout_accuracy:.1%}); "
+            f"calibration error {tuned.ece[0]:.1%} raw, {tuned.ece[1]:.1%} at temperature "
+            f"{tuned.calibration.temperature:.3f}")
 
 
 def epochs_table(title: str, accuracy: str, epochs, best_epoch: int, caption: str):

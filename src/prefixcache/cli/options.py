@@ -9,9 +9,9 @@ import typer
 
 from ..cache.config import STORAGE_NAMES, PoolConfig, format_bytes
 from ..cache.eviction import POLICIES
-from ..eval.tune_config import TuneConfig
+from ..eval.tune_config import RefitConfig, TuneConfig
 from ..model.catalog import DEFAULT_MODEL, DTYPE_CHOICES
-from ..types import DEFAULT_TASK, LABEL_FIELD, METHODS, MODES, TEXT_FIELD, RunConfig
+from ..types import DEFAULT_FEATURE, DEFAULT_TASK, LABEL_FIELD, METHODS, MODES, TEXT_FIELD, RunConfig
 
 RUN = RunConfig()
 POOL = PoolConfig()
@@ -79,3 +79,12 @@ EpochsOpt = typer.Option(TUNE.epochs, "--epochs", min=1, help="--tune prefix: at
 TuneLrOpt = typer.Option(TUNE.lr, "--lr", min=0.0, help="--tune prefix: the prefix's learning rate.")
 VirtualTokensOpt = typer.Option(None, "--virtual-tokens", min=2,
                                 help="--tune prefix: a shorter tuned prefix of K tokens (default: the prompt's).")
+FeatureOpt = typer.Option(
+    DEFAULT_FEATURE, "--feature",
+    help="Features: last, mean, last@K, mean@K, last@P/Q (a fraction of the depth), joined by + (docs/accuracy.md).",
+)
+REFIT = RefitConfig()  # the head fit --tune prefix writes with its prefix
+RefitHeadOpt = typer.Option(
+    REFIT.enabled, "--refit-head/--no-refit-head",
+    help="--tune prefix: write the tuned prefix with a head refitted on its states (--feature, --folds, --on-prompt as "
+    "for a head; measured more accurate, docs/accuracy.md), or keep the head trained with it.")

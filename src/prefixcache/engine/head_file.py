@@ -18,9 +18,11 @@ so saving a loaded head writes the same bytes. The manifest (:data:`MANIFEST_KEY
   picks a threshold (:func:`oof_rows`);
 * ``versions``: prefixcache, torch, transformers and scikit-learn;
 * ``tuned`` (only in a head with a tuned prefix): how the prefix was fitted (:mod:`prefixcache.eval.tune_prefix`):
-  its length, epochs, learning rate, seed, the held-out rows and their accuracy. The prefix itself is stored
-  beside ``weight`` and ``bias`` as ``prefix.token_ids [P]`` and float32 ``prefix.k.{i}``, ``prefix.v.{i}``
-  ``[1, kv_heads, P, head_dim]`` per layer, and read back bit for bit.
+  its length, epochs, learning rate, seed, the held-out rows and their accuracy, and which ``head`` the file
+  carries (``refitted`` on the tuned prefix's states, with ``refit``: how, :mod:`prefixcache.eval.tune_refit`;
+  or ``joint``, trained with the prefix); a tuned prefix's ``calibration`` and ``oof`` come from the held-out rows.
+  The prefix itself is stored beside ``weight`` and ``bias`` as ``prefix.token_ids [P]`` and float32
+  ``prefix.k.{i}``, ``prefix.v.{i}`` ``[1, kv_heads, P, head_dim]`` per layer, and read back bit for bit.
 
 :func:`check` refuses a head against another model, prompt, label set or feature spec; :func:`check_fields` an
 extraction task's tuned prefix (no labels; ``fields``: the task's field names, in order) against another model,

@@ -288,6 +288,16 @@ def fit_head(
     return result
 
 
+def split_log_probs(feature_set: FeatureSet, y: np.ndarray, train: np.ndarray, scored: np.ndarray, C: float, *,
+                    on_prompt: bool = False, seed: int = 0) -> np.ndarray:
+    """Label log-probs ``[len(scored), L]`` of the rows at ``scored`` from a head fitted (at ``C``, as
+    :func:`fit_head` fits its final head) on the rows at ``train`` alone; ``y``: :func:`gold_indices`."""
+    x = _design(feature_set, on_prompt)
+    with single_threaded():
+        estimator = _estimator(on_prompt, C, len(feature_set.labels), seed).fit(x[train], y[train])
+    return _log_probs(estimator, x[scored], len(feature_set.labels))
+
+
 def calibrate_oof(oof: np.ndarray | None, y: np.ndarray) -> tuple:
     """A temperature fitted on the out-of-fold log-probs ``oof [N, L]``, and with it the calibrated out-of-fold
     confidences, their correctness and the (raw, calibrated) calibration error; the identity with no rows.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InputError
+from ..types import DEFAULT_FEATURE
 
 TUNE_CHOICES = ("head", "prefix")  # what `fit --tune` fits
 
@@ -27,3 +28,17 @@ class TuneConfig:
             raise InputError(f"prefix tuning needs epochs >= 1, batch size >= 1, 0 < holdout < 1, patience >= 1 ({self})")
         if self.virtual_tokens is not None and self.virtual_tokens < 2:
             raise InputError(f"a tuned prefix needs at least 2 virtual tokens, not {self.virtual_tokens}")
+
+
+@dataclass(frozen=True)
+class RefitConfig:
+    """The head ``fit --tune prefix`` writes with its tuned prefix. ``enabled`` (the default): a head refitted on
+    the tuned prefix's states by ``fit``'s own logistic fit, with ``fit``'s settings (``feature``, ``folds``,
+    ``on_prompt``); measured better than the head trained jointly with the prefix (docs/accuracy.md, "A tuned
+    prefix"). ``enabled=False``: the jointly trained head."""
+
+    enabled: bool = True
+    feature: str = DEFAULT_FEATURE
+    folds: int = 5
+    on_prompt: bool = False
+    seed: int = 0  # the folds' (fit's --seed, as tuning's)

@@ -15,7 +15,8 @@ prefix's states measured worse on banking77: docs/accuracy.md). The result *is* 
 (``FittedHead.prefix``), and every path that takes a head serves it unchanged. A stratified part of the rows (``holdout``) is never trained on: it picks the best
 epoch (early stopping) and calibrates the confidence (a temperature, and the rows ``--target-accuracy`` reads).
 
-This module knows nothing about files, flags or printing: see ``prefixcache fit --tune prefix``.
+``prefixcache fit --tune prefix`` writes, by default, the tuned prefix with a head refitted on its states instead
+of this joint head (:mod:`prefixcache.eval.tune_refit`). This module knows nothing about files, flags or printing.
 """
 
 from __future__ import annotations
@@ -258,19 +259,26 @@ def tuned_manifest(tuned: Tuned, loaded: LoadedModel, own, config: TuneConfig, t
     was tuned from, the labels, every training row's text hash (held-out rows included: ``eval`` refuses them all),
     ``cv`` (the held-out figures), the held-out calibration and rows, and ``tuned`` (how and how well)."""
     head = tuned.head
-    figures = {"accuracy": tuned.heldout_accuracy, "heldout_rows": len(tuned.correct), "folds": 0,
-               "start_accuracy": tuned.start_accuracy, "ece_raw": tuned.ece[0], "ece_calibrated": tuned.ece[1]}
     return {
         "format": FORMAT, "model": loaded.identity, "dtype": str(loaded.dtype).removeprefix("torch."),
-        "prefix_sha256": prefix_hash(own.prompt), "feature": head.feature, "labels": list(head.labels),
-        "prompt_scale": head.prompt_scale, "task": task,
+        "prefix_sha256": prefix_hash(own.prompt), "labels": list(head.labels), "task": task,
         "training": {"rows": len(own.ids), "text_sha256": sorted(set(own.text_hashes))},
-        "cv": figures, "versions": library_versions(),
-        "calibration": tuned.calibration.to_json(),
-        "oof": {"confidence": [round(float(c), 5) for c in tuned.confidence], "correct": [int(k) for k in tuned.correct]},
+        "versions": library_versions(), **head_manifest(tuned),
         "tuned": {"prefix_tokens": head.prefix.length, "prompt_tokens": len(own.prompt.prefix_ids),
                   "epochs": [vars(e) for e in tuned.epochs], "best_epoch": tuned.best_epoch,
                   "lr": config.lr, "head_lr": config.head_lr, "batch_size": config.batch_size, "holdout": config.holdout,
                   "seed": config.seed, "seconds": round(tuned.seconds, 1), "heldout_accuracy": tuned.heldout_accuracy,
-                  "start_heldout_accuracy": tuned.start_accuracy},
+                  "start_heldout_accuracy": tuned.start_accuracy, "head": "joint"},
     }
+
+
+def head_manifest(tuned: Tuned) -> dict:
+    """The manifest entries that describe ``tuned``'s head: what it reads (``feature``, ``prompt_scale``), its
+    held-out figures (``cv``), the temperature fitted on the held-out rows and those rows (``calibration``, ``oof``:
+    what ``--target-accuracy`` reads)."""
+    figures = {"accuracy": tuned.heldout_accuracy, "heldout_rows": len(tuned.correct), "folds": 0,
+               "start_accuracy": tuned.start_accuracy, "ece_raw": tuned.ece[0], "ece_calibrated": tuned.ece[1]}
+    return {"feature": tuned.head.feature, "prompt_scale": tuned.head.prompt_scale, "cv": figures,
+            "calibration": tuned.calibration.to_json(),
+            "oof": {"confidence": [round(float(c), 5) for c in tuned.confidence],
+                    "correct": [int(k) for k in tuned.correct]}}

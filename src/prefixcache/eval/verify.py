@@ -76,7 +76,8 @@ def verify(
     config: RunConfig,
     progress: Callable[[int], None] | None = None,
 ) -> Verification:
-    """Run ``full`` (under a tuned prefix: ``cached`` at batch 1) and ``config.mode`` over ``records`` and compare them."""
+    """Run ``full`` (under a tuned prefix: ``cached`` at batch 1) and ``config.mode`` over ``records`` and compare
+    them."""
     ref_stats, cand_stats = RunStats(), RunStats()
     tuned = classifier.tuned
     reference_mode = "full" if tuned is None else "cached"
@@ -84,7 +85,6 @@ def verify(
                                         stats=ref_stats)
     candidate = classifier.classify_all(records, config, progress=progress, stats=cand_stats)
     stored = None
-    if tuned is not None:
-        loaded = classifier.loaded
-        stored = classifier.prefix.checksum() == tuned.prefix.cast(loaded.dtype, loaded.device).checksum()
+    if tuned is not None:  # the fitted prefix cast to the model's dtype once, on the CPU, where checksum reads it
+        stored = classifier.prefix.checksum() == tuned.prefix.cast(classifier.loaded.dtype).checksum()
     return Verification(compare(reference, candidate), ref_stats, cand_stats, config.mode, reference_mode, stored)

@@ -34,7 +34,7 @@ from ..task.context import ContextFit
 from ..task.prompt import Encoded, Prompt, build_prompt
 from ..task.definition import Task
 from ..types import DEFAULT_FEATURE, RunConfig
-from .loop import BoundTask, WindowStats, WorkItem
+from .loop import BoundTask, WindowStats, WorkItem, after_prompt_prefix
 
 RUN = RunConfig()  # the defaults feature collection shares with classification
 MAX_NAMED = 5  # records that did not run, named in one message
@@ -219,12 +219,9 @@ def bound_own_rows(bound: BoundTask, records: list, text_fields, config: RunConf
     """:func:`own_rows` through any bound task's own tokenization and routing (an
     :class:`~prefixcache.scheduler.extract.Extractor`'s too); ``text_fields``: the record fields the text hashes
     read. Raises as :func:`own_rows`."""
-    stored = tuple(bound.prompt.prefix_ids)
     ids, rows, hashes, errors = [], [], [], {}
     for item in bound.prepare(records, config):
-        row = item.rows if item.error is None else None
-        if row is not None and item.full:
-            row = tuple(row[len(stored):]) if tuple(row[: len(stored)]) == stored and len(row) > len(stored) else None
+        row = after_prompt_prefix(item, bound.prompt.prefix_ids) if item.error is None else None
         if row is None:
             errors[item.record.id] = item.error or "its tokens do not start with the prompt's prefix"
             continue

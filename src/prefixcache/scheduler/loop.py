@@ -19,7 +19,8 @@ generating task makes its own ``_sequences``), and turn an output or an error in
 
 It owns the task's prefix (built once, or looked up in a :class:`~prefixcache.cache.pool.PrefixPool`
 on every access), or a tuned prefix (``tuned``: fitted, not built; records follow it the same way, and a
-record that crosses its boundary is fed its tokens after it when they start with the prompt's prefix). ``full`` mode gets the empty prefix, so it re-encodes every prompt; the other
+record that crosses its boundary is fed its tokens after it when they start with the prompt's prefix:
+:func:`after_prompt_prefix`). ``full`` mode gets the empty prefix, so it re-encodes every prompt; the other
 modes get the task's prefix, held for the one call (a pool may evict its entry meanwhile, never from
 under a running call). What a mode means is asked of :class:`~prefixcache.types.Mode`, nowhere else.
 """
@@ -66,6 +67,18 @@ class WorkItem:
     overflowed: bool = False  # the error: its prompt does not fit the model's context
     truncated: bool = False  # a field was cut to fit the context (classification's --overflow truncate)
     warning: str | None = None
+
+
+def after_prompt_prefix(item: WorkItem, stored: Seq[int]) -> tuple[int, ...] | None:
+    """A prepared record's own tokens after the prompt's prefix ``stored`` (its ids): ``item.rows`` for an item routed
+    after it; for one routed in full, its tokens past ``stored`` when its whole prompt starts with ``stored`` and goes
+    on past it; else (or for an item that failed) None. What a tuned prefix is trained on and followed by."""
+    if item.rows is None or not item.full:
+        return item.rows
+    stored = tuple(stored)
+    if tuple(item.rows[: len(stored)]) != stored or len(item.rows) == len(stored):
+        return None
+    return tuple(item.rows[len(stored):])
 
 
 def route(index: int, record: Record, enc: Encoded, mode: Mode, **flags) -> WorkItem:
@@ -175,12 +188,12 @@ class BoundTask:
         """A record routed in full, under a tuned prefix: its tokens after the prompt's prefix, fed after the tuned
         one, when its whole prompt starts with the prompt's prefix; else failed, named (no text re-encodes a tuned
         prefix)."""
-        stored = tuple(self.prompt.prefix_ids)
-        if not item.boundary_fallback or tuple(item.rows[: len(stored)]) != stored or len(item.rows) == len(stored):
+        own = after_prompt_prefix(item, self.prompt.prefix_ids) if item.boundary_fallback else None
+        if own is None:
             why = "full re-encoding" if not item.boundary_fallback else "its tokens cross the prefix's boundary"
             return replace(item, rows=None, full=False, error=f"record {item.record.id!r}: a tuned prefix has no text "
                            f"to re-encode ({why}); run it in cached or batched mode, or without the tuned head")
-        return replace(item, rows=tuple(item.rows[len(stored):]), full=False)
+        return replace(item, rows=own, full=False)
 
     def plan(self, items: Seq[WorkItem], size: int, stored: PrefixKV) -> Iterator[Batch]:
         """Batches of up to ``size`` runnable items, each over one prefix: full re-encodes (and boundary
@@ -253,7 +266,8 @@ class BoundTask:
         in the batches' order. Here: scoring sequences, whose each step's sequences of one prefix go to one
         ``_forward`` call; a generating task says otherwise."""
         want = Scores(ForwardScorer(self, stats))
-        return [Sequence(prefix, item.rows, want, tag=item, on_finish=on_finish) for prefix, batch in batches for item in batch]
+        return [Sequence(prefix, item.rows, want, tag=item, on_finish=on_finish)
+                for prefix, batch in batches for item in batch]
 
     def _count_loop(self, engine: EngineLoop, seqs: list[Sequence], stats) -> None:
         """Add what running ``seqs`` through ``engine`` did to ``stats``;
