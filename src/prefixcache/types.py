@@ -40,6 +40,7 @@ class Mode(StrEnum):
 
 MODES = tuple(m.value for m in Mode)  # ("full", "cached", "batched"): the CLI's choices
 OVERFLOW = ("error", "truncate")  # what happens to a record past the model's context (task/context.py)
+BACKENDS = ("auto", "torch", "llama.cpp")  # what runs generating rows (scheduler/backend_choice.py): the CLI's choices
 METHODS = ("auto", "first-token", "full")  # label scoring methods (task/prompt.py resolves auto)
 
 # Defaults every entry point shares: the CLI's options, the library's keyword arguments and the Ray

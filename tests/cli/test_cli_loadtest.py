@@ -75,7 +75,8 @@ def test_the_subcommand_lanes_get_their_options(ran, tmp_path):
                                "--flood-items", "16"]).exit_code == 0
     lanes = {call[0]: call[1] for call in ran if call[0] != "model"}
     assert lanes["run_mixed"] == MixedOptions(ServedModel(), str(src), 8, 8, 5.0, 2, None)
-    assert lanes["run_peer"] == PeerOptions("/nowhere/llama-server", str(gguf), "support-tickets", "auto", None, 4, 8, None)
+    assert lanes["run_peer"] == PeerOptions("/nowhere/llama-server", str(gguf), "support-tickets", "auto", None, 4, 8, None,
+                                            ("auto",))
     assert lanes["run_fairness"] == FairnessOptions(ServedModel(), (32, 8, 4), (512, 128), 20, 4, 16, 2.0, 3.0)
     assert ("model", str(gguf)) in ran, "the peer's prefixcache server runs the --gguf"
 

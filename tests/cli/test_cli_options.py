@@ -56,6 +56,7 @@ BAD = {
     ("verify", "--mode"): ("full", "--mode must be one of cached, batched", 2),
     **{("extract", option): case for option, case in ANY.items() if option != "--method"},
     ("extract", "--max-new-tokens"): ("0", "--max-new-tokens", 2),
+    ("extract", "--backend"): ("ggml", "--backend must be one of auto, torch, llama.cpp", 2),
     ("extract", "--id-field"): ("nope", "'nope'", 1),  # like classify: each row an error line naming it, exit 1
     **{("eval", option): ANY[option] for option in ("input", "--task", "--model", "--batch-size", "--method",
                                                     "--text-field", "--id-field", "--dtype", "--threads")},
@@ -80,6 +81,9 @@ BAD = {
     ("bench", "--before-batch-size"): ("0", "--before-batch-size", 2),
     ("bench", "--ray-workers"): ("0", "--ray-workers", 2),
     **{("serve", option): ANY[option] for option in ("--task", "--model", "--dtype", "--threads", "--method", "--cache-budget")},
+    ("loadtest peer", "--backend"): ("ggml", "--backend must be one of auto, torch, llama.cpp", 2),
+    ("bench", "--backend"): ("ggml", "--backend must be one of auto, torch, llama.cpp", 2),
+    ("serve", "--backend"): ("ggml", "--backend must be one of auto, torch, llama.cpp", 2),
     ("serve", "--host"): ("256.256.256.256", "cannot listen on 256.256.256.256", 2),
     ("serve", "--port"): ("70000", "--port", 2),
     ("serve", "--max-batch"): ("0", "--max-batch", 2),

@@ -29,7 +29,9 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
+from ..errors import BackendError
 from ..eval.verify_extract import compare_extractions
+from ..scheduler.backend_choice import choose, llama_generation
 from ..scheduler.extract import Extraction, ExtractStats, Extractor
 from ..scheduler.loop import BoundTask
 from ..types import Mode, Record, RunConfig
@@ -69,19 +71,25 @@ class ExtractLaneResult:
 def bench_extract(
     extractor: Extractor, records: list[Record], batch_size: int, log: Callable[[str], None] = print,
     free: Extractor | None = None, peer: Callable[[list[Record]], tuple[list[Extraction], ExtractStats]] | None = None,
+    backend: Extractor | None = None,
 ) -> list[ExtractLaneResult]:
-    """Time full (uncached), cached and batched extraction on the same records, after a warm-up; then, with an
+    """Time full (uncached), cached and batched extraction on the same records, after a warm-up; then, with
+    ``backend`` (the same extractor on another generation backend), its cached and batched lanes, compared with
+    the full lane; then, with an
     unconstrained ``free`` extractor of the same task, batched extraction without the constraint; then the
     ``peer`` (llama.cpp, :mod:`prefixcache.bench.peer_extract`), whose outputs are compared with the
     unconstrained lane's (or, without one, the full lane's). Before the peer, ``batched-static``: the batched lane
     in static batches (the path the engine loop replaced), compared with the full lane."""
     lanes = [(mode.value, extractor, mode) for mode in Mode]  # full (the reference) first
+    if backend is not None:
+        lanes += [(f"{mode.value}-{backend.backend.name}", backend, mode) for mode in (Mode.CACHED, Mode.BATCHED)]
     if extractor.copied:
         lanes.append((SCHEMA_ONLY, schema_only(extractor), Mode.BATCHED))
     if free is not None:
         lanes.append((UNCONSTRAINED, free, Mode.BATCHED))
-    for each in (extractor,) if free is None else (extractor, free):
-        each.extract_all(records[:1], RunConfig(Mode.BATCHED, 1))  # builds the prefix, warms kernels
+    for each in (extractor, free, backend):
+        if each is not None:
+            each.extract_all(records[:1], RunConfig(Mode.BATCHED, 1))  # builds the prefix, warms kernels
     lanes.append((STATIC, static_twin(extractor), Mode.BATCHED))  # made after: it shares the prefix built
     results, outputs_of = [], {}
     for name, each, mode in lanes:
@@ -102,6 +110,27 @@ def bench_extract(
         reference = outputs_of[UNCONSTRAINED if free is not None else Mode.FULL.value]
         results.append(_lane(LLAMA_CPP, 1, len(records), seconds, stats, compare_extractions(reference, outputs).rate, False))
     return results
+
+
+def backend_twin(extractor: Extractor, asked: str, rows: int, log: Callable[[str], None]) -> Extractor | None:
+    """The same extractor with its generating rows on llama.cpp, for the backend lanes; None when ``asked`` is
+    ``torch``, or is ``auto`` and llama.cpp cannot run here (the reason logged).
+
+    Raises:
+        BackendError: ``asked`` is ``llama.cpp`` and it cannot run here.
+    """
+    if asked == "torch":
+        return None
+    try:
+        choose(extractor.loaded, "llama.cpp", extractor.needs_torch())
+    except BackendError as exc:
+        if asked == "llama.cpp":
+            raise
+        log(f"llama.cpp backend lanes skipped: {exc}")
+        return None
+    twin = copy.copy(extractor)
+    twin.backend = llama_generation(extractor.loaded, rows)
+    return twin
 
 
 def schema_only(extractor: Extractor) -> Extractor:
@@ -152,8 +181,9 @@ def run_extract_bench(options: BenchOptions, log: Callable[[str], None] = print)
     log_floor(floor, log)
     records = ticket_records(options.items)
     peer = llama_cpp_generate(options.model, extractor, threads, log) if options.llama_cpp else None
+    twin = backend_twin(extractor, options.backend, options.batch_size, log)
     lanes = bench_extract(extractor, records, options.batch_size, log, free=Extractor(loaded, task, constrained=False),
-                          peer=peer)
+                          peer=peer, backend=twin)
     floors = {}
     if peer is not None:
         floors[LLAMA_CPP] = DecodeFloor(floor.memory_read_gb_s, peer.weight_bytes)
@@ -166,12 +196,13 @@ def run_extract_bench(options: BenchOptions, log: Callable[[str], None] = print)
             f"extract lane {lane.mode}, B={lane.batch_size}: time to first token {lane.ttft_ms_mean:.1f} ms (median "
             f"{lane.ttft_ms_p50:.1f}), {lane.tokens_per_s:.1f} tokens/s, {1000 * lane.seconds / lane.records:.1f} "
             f"ms/record, {lane.parse_errors} unparsable, {lane.identical:.0%} identical to "
-            + {UNCONSTRAINED: "constrained batched", LLAMA_CPP: "unconstrained batched", STATIC: "uncached"}.get(lane.mode, "uncached")
+            + {UNCONSTRAINED: "constrained batched", LLAMA_CPP: "unconstrained batched"}.get(lane.mode, "uncached")
             + (f", {lane.pct_of_floor:.0f}% of the B=1 decoding floor" if lane.pct_of_floor is not None else "")
         )
     rows = [
         ModeResult(
-            lane.mode, "gguf" if lane.mode == LLAMA_CPP else dtype_name(loaded.dtype), lane.batch_size, lane.records, lane.seconds,
+            lane.mode, "gguf" if lane.mode.endswith(LLAMA_CPP) else dtype_name(loaded.dtype), lane.batch_size, lane.records,
+            lane.seconds,
             full_seconds / lane.seconds if lane.seconds else float("inf"), lane.identical, 0.0,
             lane.prefill_tokens + lane.tokens_generated,
         )
@@ -182,11 +213,18 @@ def run_extract_bench(options: BenchOptions, log: Callable[[str], None] = print)
         "kind": "extract", "items": len(records), "prefix_tokens": len(extractor.prompt.prefix_ids),
         "prefix_seconds": extractor.prefix_seconds, "modes": [r.to_json() for r in rows],
         "extract": [lane.to_json() for lane in lanes],
-        "constrained_over_unconstrained": lanes[2].seconds / lanes[3].seconds if lanes[3].seconds else None,
+        "constrained_over_unconstrained": _ratio(lanes, Mode.BATCHED.value, UNCONSTRAINED),
+        "backend": None if twin is None else twin.backend.name,
         **floor.to_json(),
         "llama_cpp_weight_bytes": peer.weight_bytes if peer is not None else None,
     }
     return BenchReport(rows, {}), document
+
+
+def _ratio(lanes: list[ExtractLaneResult], top: str, bottom: str) -> float | None:
+    """Lane ``top``'s seconds over lane ``bottom``'s (None when either is missing or took no time)."""
+    seconds = {lane.mode: lane.seconds for lane in lanes}
+    return seconds[top] / seconds[bottom] if seconds.get(top) and seconds.get(bottom) else None
 
 
 def log_floor(floor: DecodeFloor, log: Callable[[str], None]) -> None:

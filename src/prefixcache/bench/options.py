@@ -20,6 +20,8 @@ class BenchOptions:
         model, model_config, dtype, threads: the model (``model_config``: random weights of that architecture).
         batch_size: records per forward pass in the batched lanes.
         llama_cpp: add the llama.cpp lane when llama-cpp-python is installed.
+        backend: for an extraction task, which generation backends get lanes: ``auto`` (torch's, and llama.cpp's
+            where it can run), ``torch``, or ``llama.cpp`` (torch's and llama.cpp's; an error where it cannot run).
         sweep_targets: prefix lengths of the prefix sweep (empty: no sweep).
         sweep_full_items, sweep_items: records per sweep step in the full and the batched lane.
         head: a fitted head file for the head lanes, or ``"fit"``: fit one on the bench's records first
@@ -34,6 +36,7 @@ class BenchOptions:
     threads: int | None = None
     batch_size: int = 32
     llama_cpp: bool = True
+    backend: str = "auto"
     sweep_targets: tuple[int, ...] = ()
     sweep_full_items: int = 16
     sweep_items: int = 128

@@ -11,9 +11,10 @@ import typer
 
 from ..bench.options import SWEEP_TARGETS, BenchOptions
 from ..model.catalog import DTYPE_CHOICES
+from ..types import BACKENDS
 from .errors import reported, choice, err, out, output_path
 from .loading import quiet_transformers
-from .options import DtypeOpt, ThreadsOpt
+from .options import BackendOpt, DtypeOpt, ThreadsOpt
 from .reports import timing_table
 
 BENCH = BenchOptions()
@@ -54,6 +55,7 @@ def bench(
         "first (timing only): adds full+head and batched+head lanes. Default: the task file's head:, if any."
     ),
     ray_workers: list[int] = RAY_WORKERS,
+    backend: str = BackendOpt,
 ):
     """Time full, cached, batched (and llama.cpp) on the same records in one run; report ratios and % of peak.
     With a head, also full and batched through it (agreement measured against full+head). With labels that
@@ -68,7 +70,7 @@ def bench(
         task=task, items=items, model=model, model_config=model_config, dtype=choice(dtype, DTYPE_CHOICES, "--dtype"),
         threads=threads, batch_size=batch_size, llama_cpp=not no_llama_cpp,
         sweep_targets=SWEEP_TARGETS if sweep else (), head=head, records=records, label_field=label_field,
-        full_items=full_items, before_batch_size=before_batch_size,
+        full_items=full_items, before_batch_size=before_batch_size, backend=choice(backend, BACKENDS, "--backend"),
     )
     quiet_transformers()
     if ray_workers:

@@ -9,11 +9,11 @@ from typing import Optional
 
 import typer
 
-from ..types import DEFAULT_EXTRACT_TASK, MODES, RunConfig
+from ..types import BACKENDS, DEFAULT_EXTRACT_TASK, MODES, RunConfig
 from .errors import reported, choice, err, open_output, output_path
 from .loading import check_text_field, make_pool, progress, setup_extractor
 from .options import (
-    BatchOpt, CacheBudgetOpt, CacheDirBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, FieldHeadOpt, IdFieldOpt, InputArg,
+    BackendOpt, BatchOpt, CacheBudgetOpt, CacheDirBudgetOpt, CacheDirOpt, DtypeOpt, EvictionOpt, FieldHeadOpt, IdFieldOpt, InputArg,
     KVStorageOpt, FieldMinConfidenceOpt, ModelOpt, ModeOpt, TextFieldOpt, ThreadsOpt,
 )
 from .evaluate_extract import field_policy
@@ -45,6 +45,7 @@ def extract(
     head: Optional[list[str]] = FieldHeadOpt,
     min_confidence: Optional[list[str]] = FieldMinConfidenceOpt,
     review: Optional[Path] = typer.Option(None, "--review", help="Also write each record with flagged fields here (JSONL)."),
+    backend: str = BackendOpt,
 ):
     """Extract the task's fields from every record by greedy generation after the cached prefix.
 
@@ -58,6 +59,8 @@ def extract(
     pool = make_pool(cache_budget, cache_dir, kv_storage, eviction, cache_dir_budget)
     extractor = setup_extractor(task, model, dtype, threads, pool, max_new_tokens, constrained)
     extractor.policy = field_policy(extractor, head, min_confidence)
+    chosen = extractor.use_backend(choice(backend, BACKENDS, "--backend"), config.mode.pass_size(batch_size))
+    err.print(f"generation on {chosen.name} ({chosen.why})", highlight=False)
     stats = extract_into(extractor, input, text_field, id_field, config, out_path, review)
     err.print(
         f"{stats.records} records in {stats.seconds:.1f} s, {stats.tokens_generated} tokens generated "

@@ -17,6 +17,7 @@ import typer
 from ..bench.loadtest.options import FairnessOptions, LoadTestOptions, MixedOptions, PeerOptions, ServedModel
 from ..errors import ExtraNotInstalledError
 from ..model.catalog import DEFAULT_MODEL, DTYPE_CHOICES
+from ..types import BACKENDS
 from .errors import choice, output_path, parsed, reported
 from .options import DtypeOpt, ModelOpt, ThreadsOpt
 
@@ -180,6 +181,9 @@ def peer(
     clients: int = typer.Option(PEER.clients, "--clients", min=1,
                                 help="Closed-loop clients (the official openai client each)."),
     json_path: Optional[Path] = JsonOpt,
+    backend: list[str] = typer.Option(list(PEER.backends), "--backend",
+                                      help="prefixcache's generation backend (serve --backend); repeat for one server "
+                                      "each: --backend torch --backend llama.cpp."),
 ):
     """`prefixcache serve` against llama.cpp's llama-server on the same .gguf, one after the other, over the OpenAI
     chat API: classification (guided_choice / a GBNF grammar) and extraction (a json_schema response_format)."""
@@ -190,8 +194,9 @@ def peer(
     if gguf is not None and not gguf.is_file():
         raise typer.BadParameter(f"{gguf}: no such .gguf file", param_hint="--gguf")
     served_model(str(gguf) if gguf else DEFAULT_MODEL, dtype, threads, task)
+    backends = tuple(choice(name, BACKENDS, "--backend") for name in backend)
     outcome(run_peer(PeerOptions(llama_server, str(gguf) if gguf else None, task, dtype, threads, requests, clients,
-                                 str(json_path) if json_path else None)))
+                                 str(json_path) if json_path else None, backends)))
 
 
 def whole_numbers(text: str) -> tuple[int, ...]:

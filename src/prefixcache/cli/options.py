@@ -11,7 +11,7 @@ from ..cache.config import STORAGE_NAMES, PoolConfig, format_bytes
 from ..cache.eviction import POLICIES
 from ..eval.tune_config import RefitConfig, TuneConfig
 from ..model.catalog import DEFAULT_MODEL, DTYPE_CHOICES
-from ..types import DEFAULT_FEATURE, DEFAULT_TASK, LABEL_FIELD, METHODS, MODES, TEXT_FIELD, RunConfig
+from ..types import BACKENDS, DEFAULT_FEATURE, DEFAULT_TASK, LABEL_FIELD, METHODS, MODES, TEXT_FIELD, RunConfig
 
 RUN = RunConfig()
 POOL = PoolConfig()
@@ -21,6 +21,12 @@ ModelOpt = typer.Option(DEFAULT_MODEL, "--model", help="Embedded name, .gguf pat
                         "(seeded random weights of a known architecture; the embedded model's tokenizer unless named).")
 DtypeOpt = typer.Option(DTYPE_CHOICES[0], "--dtype", help=f"One of {', '.join(DTYPE_CHOICES)}.")
 ThreadsOpt = typer.Option(None, "--threads", min=1, help="Torch threads (default: all cores).")
+BackendOpt = typer.Option(
+    BACKENDS[0], "--backend",
+    help="What runs generation: auto (llama.cpp where torch's generation measures slower: float32 weights, or one row "
+    "at a time; when it is built and the model is a .gguf), torch, or llama.cpp (reads the .gguf's own 4-bit blocks). "
+    "Scoring always runs on torch.",
+)
 MethodOpt = typer.Option(METHODS[0], "--method", help=f"Label scoring: {', '.join(METHODS)}.")
 ModeOpt = typer.Option(RUN.mode.value, "--mode", help=f"One of {', '.join(MODES)}.")
 BatchOpt = typer.Option(RUN.batch_size, "--batch-size", min=1, help="Records per forward pass (batched mode).")

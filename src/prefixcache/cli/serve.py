@@ -11,10 +11,10 @@ from ..cache.config import parse_bytes
 from ..errors import ExtraNotInstalledError
 from ..server.settings import DEFAULT_LOG_LEVEL, LOG_LEVELS, ServerSettings
 from ..server.settings import DEFAULTS as SERVER
-from ..types import DEFAULT_TASK, METHODS
+from ..types import BACKENDS, DEFAULT_TASK, METHODS
 from .errors import reported, choice, parsed
 from .loading import load
-from .options import DtypeOpt, MethodOpt, ModelOpt, ThreadsOpt
+from .options import BackendOpt, DtypeOpt, MethodOpt, ModelOpt, ThreadsOpt
 
 
 @reported
@@ -57,6 +57,7 @@ def serve(
     head: Optional[Path] = typer.Option(
         None, "--head", help="A fitted label head (prefixcache fit) for the one --task served; overrides its head:."
     ),
+    backend: str = BackendOpt,
 ):
     """Serve tasks over HTTP with continuous batching (FastAPI on uvicorn, one engine loop). Set PREFIXCACHE_API_KEY to require a key,
     and PREFIXCACHE_ADMIN_KEY to keep task changes and /metrics to the operator (start-up tasks are read-only to clients).
@@ -72,6 +73,7 @@ def serve(
         max_task_bytes=max_task_bytes, max_labels=max_labels, max_examples=max_examples, max_tasks=max_tasks,
         max_choice_chars=max_choice_chars, max_choice_tokens=max_choice_tokens, method=choice(method, METHODS, "--method"),
         cache_budget_bytes=parsed(parse_bytes, cache_budget, "--cache-budget") if cache_budget else None,
+        backend=choice(backend, BACKENDS, "--backend"),
     )
     run_server(load(model, dtype, threads, trust_remote_code), served_specs(task, head), settings, log_level)
 

@@ -7,8 +7,9 @@
    a prompt too long for one step), then waiting sequences round-robin by client (a generating one needs a
    free slot). A scoring sequence is fed whole (alone when it is longer than the budget);
 2. :meth:`~EngineLoop.run`: per prefix, the scoring sequences in one scorer call, and the generating ones in
-   one forward pass over the slot store (:func:`~prefixcache.engine.slot_pass.forward_slots`): new sequences'
-   tokens and running sequences' next tokens packed together;
+   one pass of the loop's generation backend (:mod:`prefixcache.scheduler.generation`: torch's slot store and
+   :func:`~prefixcache.engine.slot_pass.forward_slots`, or llama.cpp): new sequences' tokens and running
+   sequences' next tokens packed together;
 3. :meth:`~EngineLoop.postprocess`: a scoring sequence finishes with its output; a generating sequence whose
    prompt is all fed picks its next token (its own sampling, constraint and stop strings) and finishes or
    stays running. A finished sequence gives its slot back at once.
@@ -19,9 +20,9 @@ start of its first step), so one cancelled from another thread while a step is b
 other, sampling is per row (seeded rows draw from their own generator), and a constraint that fails fails
 only its own row.
 
-The slot store's bytes are bounded by ``LoopConfig.slot_bytes``, or, for a loop given the prefix pool, by the
-pool's budget together with the prefixes (:mod:`prefixcache.scheduler.slot_budget`): the store is sized from
-what the budget leaves, reserved in the pool, and given back by :meth:`~EngineLoop.close`. A sequence for
+With the torch backend, the slot store's bytes are bounded by ``LoopConfig.slot_bytes``, or, for a loop given the
+prefix pool, by the pool's budget together with the prefixes (:mod:`prefixcache.scheduler.slot_budget`): the
+store is sized from what the budget leaves, reserved in the pool, and given back by :meth:`~EngineLoop.close`. A sequence for
 which not even one slot fits fails alone before it is fed (SequenceTooLongError; with a pool, one that names the
 pool's PoolReservationError), kept as its ``failure``.
 
@@ -43,10 +44,9 @@ from ..cache.pool import PrefixPool
 from ..cache.slots import Feed, SlotStore
 from ..engine.generate import RowOutput
 from ..engine.sampling import TokenPicker, pick_each
-from ..engine.slot_pass import forward_slots
-from ..errors import ConstraintError, PoolBudgetError, PrefixCacheError, SequenceTooLongError
+from ..errors import BackendError, ConstraintError, PoolBudgetError, PrefixCacheError, SequenceTooLongError
+from .generation import GenerationBackend, TorchGeneration
 from .sequence import Generate, Sequence, Status, scorer_group
-from .slot_budget import SlotBudget, slot_length
 
 
 @dataclass(frozen=True)
@@ -96,14 +96,14 @@ class EngineLoop:
     """The scheduler and its step over one model. See the module docstring for the contract.
 
     ``pool``: the prefix pool whose byte budget also bounds the slot store (its bytes reserved there, given back
-    by :meth:`close`); None: ``config.slot_bytes`` bounds it.
+    by :meth:`close`); None: ``config.slot_bytes`` bounds it. ``generation``: where generating sequences run
+    (default: torch's :class:`~prefixcache.scheduler.generation.TorchGeneration` over ``model``).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: LoopConfig = LoopConfig(),
-                 pool: PrefixPool | None = None):
+                 pool: PrefixPool | None = None, generation: GenerationBackend | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.store: SlotStore | None = None
-        self.slot_budget = SlotBudget(model, config.slot_bytes, config.max_seqs, pool)
+        self.generation = generation or TorchGeneration(model, config.slot_bytes, config.max_seqs, pool)
         self.waiting: OrderedDict[Hashable, deque[Sequence]] = OrderedDict()  # client -> its sequences, in turn order
         self.running: deque[Sequence] = deque()
         self.stats = LoopStats()
@@ -177,13 +177,16 @@ class EngineLoop:
         if not seq.generates:  # fed whole: alone when longer than the budget
             return len(seq.ids) if len(seq.ids) <= room or not plan.items else None
         try:
-            store = self._store_for(seq)
+            slot = self.generation.take(seq)
         except (SequenceTooLongError, PoolBudgetError) as exc:  # not even one slot for it: it fails alone
             self._leave(seq, Status.FAILED, failure=_too_long(seq, exc))
             return 0
-        if store is None or store.free == 0:
+        except BackendError as exc:  # the backend cannot run it (llama.cpp and a prefix it cannot hold, say)
+            self._leave(seq, Status.FAILED, failure=exc)
+            return 0
+        if slot is None:
             return None
-        seq.slot, seq.status, seq.admitted_at = store.take(), Status.RUNNING, time.perf_counter()
+        seq.slot, seq.status, seq.admitted_at = slot, Status.RUNNING, time.perf_counter()
         want: Generate = seq.want
         seq.output, seq.picker = RowOutput(self.tokenizer), TokenPicker(want.sampling, 1, seq.prefix.keys[0].device)
         self.running.append(seq)
@@ -195,51 +198,20 @@ class EngineLoop:
         self._finish(seq, status, error=error if failure is None else str(failure), failure=failure)
         self._left.append(seq)
 
-    def _store_for(self, seq: Sequence) -> SlotStore | None:
-        """The slot store with a slot long enough for ``seq``, or None: ``seq`` waits for running ones to finish.
-
-        The store holds as many slots as its bound allows (at most ``max_seqs``): ``slot_bytes``, or with a pool
-        what the pool's budget leaves beside the held prefixes (:class:`~prefixcache.scheduler.slot_budget.SlotBudget`).
-        A longer sequence grows every slot in place while the grown store still fits; otherwise it waits until no
-        sequence runs, and the store is made again with longer, fewer slots. An idle store far longer than a
-        sequence needs (after a long request) is made again at that sequence's length, with its slot count back.
-        So the store's bytes never pass ``slot_bytes`` (or, with a pool, its budget), whatever a request asks for.
-
-        Raises:
-            SequenceTooLongError: (no pool) not even one slot of ``seq``'s length fits in ``slot_bytes``.
-            PoolReservationError: (a pool) not even one slot fits beside the pinned prefixes and other reservations.
-        """
-        need = slot_length(seq.own_tokens)
-        store = self.store
-        idle = store is None or store.free == store.slots
-        if store is not None and store.slot_tokens >= need and not (idle and store.slot_tokens > 2 * need
-                                                                    and store.slots < self.config.max_seqs):
-            return store
-        if store is not None and store.slot_tokens < need and self.slot_budget.grow(store, need):
-            return store
-        if not idle:
-            return None
-        self._drop_store()  # the old store's tensors (and its bytes in the pool) go before the new ones are made
-        self.store = self.slot_budget.make(seq.own_tokens)
-        return self.store
+    @property
+    def store(self) -> SlotStore | None:
+        """The torch backend's slot store (None: none is held, or another backend runs the generating rows)."""
+        return getattr(self.generation, "store", None)
 
     def close(self) -> None:
-        """Drop the slot store, giving its bytes back to the pool's budget (when the loop has a pool). Call it when
-        the loop is done: it takes no step after (a sequence still running would have no slot)."""
-        self._drop_store()
+        """Give the generating rows' memory back (the slot store's bytes to the pool's budget, when the loop has a
+        pool). Call it when the loop is done: it takes no step after (a sequence still running would have no slot)."""
+        self.generation.close()
 
     def trim(self) -> bool:
-        """Drop an idle store of fewer than ``max_seqs`` slots (made long and few for a long sequence), giving its
-        bytes back to the budget; the next generating sequence makes one at its own length. Returns whether it did."""
-        store = self.store
-        if store is None or self.running or store.free != store.slots or store.slots >= self.config.max_seqs:
-            return False
-        self._drop_store()
-        return True
-
-    def _drop_store(self) -> None:
-        self.store = None
-        self.slot_budget.release()
+        """Give back idle memory made for one long sequence (torch: a store of fewer than ``max_seqs`` slots); the
+        next generating sequence makes its own. Returns whether it did."""
+        return self.generation.trim(bool(self.running))
 
     def _drop_cancelled(self) -> list[Sequence]:
         """Take cancelled sequences out of the queues, free their slots, and tell their callers."""
@@ -259,7 +231,7 @@ class EngineLoop:
 
     def run(self, plan: Scheduled) -> dict[int, object]:
         """Per prefix: one scorer call per scorer, one slot pass for the generating rows. ``id(seq)`` -> its output
-        (a scorer's output, or the hidden state ``[H]`` at its last fed token), or an exception for a failed call."""
+        (a scorer's output, or the backend's output at its last fed token), or an exception for a failed call."""
         outputs: dict[int, object] = {}
         groups: dict[tuple, list[tuple[Sequence, int]]] = {}
         for seq, count in plan.items:
@@ -275,11 +247,11 @@ class EngineLoop:
                     outputs.update(zip(map(id, seqs), seqs[0].want.scorer.score(prefix, seqs)))
                     continue
                 feeds = [Feed(seq.slot, seq.fed, seq.pending()[:count]) for seq, count in group]
-                hidden = forward_slots(self.model, prefix, self.store, feeds)  # [B, H]
+                rows = self.generation.feed(prefix, feeds)  # one output per feed
             except Exception as exc:  # this group's call failed: its sequences fail, the step's others go on
                 outputs.update((id(seq), _Failed(exc)) for seq in seqs)
                 continue
-            for (seq, count), row in zip(group, hidden):
+            for (seq, count), row in zip(group, rows):
                 seq.fed += count
                 outputs[id(seq)] = row
         return outputs
@@ -296,7 +268,7 @@ class EngineLoop:
                 finished.append(seq)
         plan.items = [(seq, count) for seq, count in plan.items if not seq.status.done]
         sampling = [seq for seq, _ in plan.items if seq.generates and not seq.pending()]
-        logits = self._logits([outputs[id(seq)] for seq in sampling])  # [b, V]
+        logits = self.generation.logits([outputs[id(seq)] for seq in sampling])  # [b, V]
         for seq, _ in plan.items:
             seq.steps += 1
             if not seq.generates:
@@ -304,16 +276,9 @@ class EngineLoop:
                 finished.append(seq)
         for seq in sampling:
             if not seq.generated:  # the step that fed its last prompt token: what a fitted head reads
-                seq.prompt_state = outputs[id(seq)]
+                seq.prompt_state = self.generation.state(outputs[id(seq)])
         with torch.inference_mode():  # the logits are an inference tensor: masks write them in place
             return finished + self._next_tokens(sampling, logits)
-
-    def _logits(self, hidden: list[torch.Tensor]) -> torch.Tensor:
-        """The rows' next-token logits ``[b, V]`` through the model's output head, in one product."""
-        if not hidden:
-            return torch.empty(0)
-        with torch.inference_mode():
-            return self.model.get_output_embeddings()(torch.stack(hidden))
 
     def _next_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
         """Each of ``seqs`` picks its next token from its row of ``logits`` ``[b, V]``: masked by its own constraint
@@ -364,7 +329,7 @@ class EngineLoop:
         """Record how ``seq`` ended, give its slot back, take it off the running queue, tell its caller."""
         seq.status, seq.result, seq.error, seq.failure = status, result, error, failure
         if seq.slot is not None:
-            self.store.give(seq.slot)
+            self.generation.give(seq.slot)
             seq.slot = None
         if seq in self.running:
             self.running.remove(seq)

@@ -157,6 +157,28 @@ class Extractor(BoundTask):
         stats.first_token_s += [timing.first_token_s] * len(batch)
         return generations
 
+    def needs_torch(self) -> str | None:
+        """Why this extractor's generating rows must run on torch, or None: a tuned prefix has no tokens to decode
+        elsewhere, and fitted field heads read the prompt's final-layer state."""
+        if self.tuned is not None:
+            return "a tuned prefix runs on torch"
+        if self.policy.heads:
+            return "fitted field heads read the prompt's final-layer state, which torch gives"
+        return None
+
+    def use_backend(self, asked: str, rows: int = 32):
+        """Run the generating rows (up to ``rows`` at once) on the backend ``asked`` chooses (``auto``, ``torch`` or
+        ``llama.cpp``: :mod:`~prefixcache.scheduler.backend_choice`); returns the choice (its name and why).
+
+        Raises:
+            BackendError: ``llama.cpp`` asked for where it cannot run (the reason named).
+        """
+        from .backend_choice import choose, llama_generation
+
+        chosen = choose(self.loaded, asked, self.needs_torch(), rows)
+        self.backend = llama_generation(self.loaded, rows) if chosen.name == "llama.cpp" else None
+        return chosen
+
     def source_text(self, record: Record) -> str:
         """The text a copy field may copy from: the record's fields the prompt shows, one per line."""
         return "\n".join(str(record.fields.get(name, "")) for name in self.task.input_fields)

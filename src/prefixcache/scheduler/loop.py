@@ -108,6 +108,7 @@ class BoundTask:
         self._prefix: PrefixKV | None = None
         self._empty = empty_prefix(loaded.model)
         self.tuned: TunedPrefix | None = None  # set: records follow this fitted prefix instead of the prompt's
+        self.backend = None  # set (a GenerationBackend kept across runs): generating rows run there, not on torch
 
     @property
     def prefix(self) -> PrefixKV:
@@ -219,7 +220,8 @@ class BoundTask:
         if not (self.continuous if continuous is None else continuous):
             return self._run_static(batches, stats, progress)
         size = max((len(batch) for _, batch in batches), default=1)
-        engine = EngineLoop(self.loaded.model, self.loaded.tokenizer, LoopConfig(CLI_STEP_TOKENS, size), self.pool)
+        engine = EngineLoop(self.loaded.model, self.loaded.tokenizer, LoopConfig(CLI_STEP_TOKENS, size), self.pool,
+                            self.backend)
         done = (lambda seq: progress(1)) if progress else None
         seqs = self._sequences(batches, stats, done)
         try:

@@ -49,6 +49,7 @@ from ..errors import (
 )
 from ..model.load import LoadedModel
 from ..cache.pool import PoolConfig, PrefixPool
+from ..scheduler.backend_choice import choose, pooled_llama_generation
 from ..scheduler.engine_loop import EngineLoop, LoopConfig
 from ..types import Record
 from ..task.definition import ExtractTask, Task
@@ -93,7 +94,10 @@ class Service:
         self.pool = PrefixPool(PoolConfig(budget_bytes=settings.cache_budget_bytes))  # used on the model thread only
         metrics.watch_pool(self.pool)
         loop_config = LoopConfig(settings.max_step_tokens, settings.max_batch)
-        loop = EngineLoop(loaded.model, loaded.tokenizer, loop_config, self.pool)  # its slots count in the budget
+        self.backend = choose(loaded, settings.backend, rows=settings.max_batch)  # what runs generating requests
+        generation = (pooled_llama_generation(loaded, settings.max_batch, self.pool)
+                      if self.backend.name == "llama.cpp" else None)  # None: torch's slots, in the budget
+        loop = EngineLoop(loaded.model, loaded.tokenizer, loop_config, self.pool, generation)
         self.engine = EngineThread(loop, settings, metrics)
         self._runners: dict[str, TaskRunner] = {}
         self._startup: set[str] = set()  # the registered tasks that are start-up tasks (not replaced since)

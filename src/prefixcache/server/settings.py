@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from ..errors import SettingsError
 from ..cache.config import PoolConfig
+from ..types import BACKENDS
 
 API_KEY_ENV = "PREFIXCACHE_API_KEY"
 ADMIN_KEY_ENV = "PREFIXCACHE_ADMIN_KEY"
@@ -55,6 +56,8 @@ class ServerSettings:
             used prefixes are evicted, and rebuilt on their next use, to stay within it; the default is
             :class:`~prefixcache.cache.config.PoolConfig`'s, 256 MiB).
         method: label scoring method for every task (``auto``, ``first-token``, ``full``).
+        backend: what runs generating requests (``auto``, ``torch``, ``llama.cpp``:
+            :mod:`prefixcache.scheduler.backend_choice`); scoring runs on torch whatever it is.
         api_key: the client key. When set, every endpoint but ``/healthz`` and the static page needs
             ``Authorization: Bearer <api_key>`` (or the admin key). Never printed (``repr=False``).
         admin_key: the admin key (the operator's). When set, registering, replacing and deleting tasks
@@ -82,6 +85,7 @@ class ServerSettings:
     max_choice_tokens: int = 2048
     cache_budget_bytes: int = PoolConfig.budget_bytes
     method: str = "auto"
+    backend: str = "auto"
     api_key: str | None = field(default=None, repr=False)
     admin_key: str | None = field(default=None, repr=False)
 
@@ -91,6 +95,8 @@ class ServerSettings:
                      "cache_budget_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.backend not in BACKENDS:
+            raise SettingsError(f"backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
         if not 0 <= self.port <= 65535:
             raise SettingsError(f"port must be between 0 and 65535, not {self.port}")
         if self.max_items > self.max_queue:

@@ -87,6 +87,7 @@ class PeerOptions:
         dtype, threads: prefixcache's dtype; threads for both servers (None: all cores).
         requests, clients: chats per workload; closed-loop clients.
         json_path: also write the figures as JSON here.
+        backends: prefixcache's generation backends (``serve --backend``), one server each, one after the other.
     """
 
     llama_server: str | None = None
@@ -97,6 +98,7 @@ class PeerOptions:
     requests: int = 64
     clients: int = 8
     json_path: str | None = None
+    backends: tuple[str, ...] = ("auto",)
 
 
 @dataclass(frozen=True)

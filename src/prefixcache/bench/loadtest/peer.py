@@ -178,9 +178,12 @@ def run_peer(options: PeerOptions) -> bool:
     failed."""
     gguf = options.gguf or embedded_gguf()
     chosen = chats(options.task, options.requests)
-    ours = Launch(ServedModel(gguf if options.gguf else DEFAULT_MODEL, options.dtype, options.threads), (options.task,), 32,
-                  queue_for(options.clients, 1), extra=("--max-queue-per-client", "512"))
-    results = run_server("prefixcache", lambda key: Server(ours, key), options, chosen, peer=False)
+    served = ServedModel(gguf if options.gguf else DEFAULT_MODEL, options.dtype, options.threads)
+    results = []
+    for backend in options.backends:
+        ours = Launch(served, (options.task,), 32, queue_for(options.clients, 1),
+                      extra=("--max-queue-per-client", "512", "--backend", backend))
+        results += run_server(ours_name(backend), lambda key: Server(ours, key), options, chosen, peer=False)
     binary = found_binary(options.llama_server)
     if binary:
         results += run_server("llama-server", lambda key: LlamaServer(binary, gguf, options.clients, options.threads, key),
@@ -205,13 +208,20 @@ def print_table(results: list[Result], options: PeerOptions, machine: dict) -> N
 
     print(f"\n{machine_name(machine)}; {options.requests} requests per workload, "
           f"{options.clients} clients, dtype {options.dtype}")
-    print("| workload | prefixcache req/s | llama-server req/s | ratio | p99 prefixcache / llama-server | valid |")
-    print("|---|---|---|---|---|---|")
+    print("| workload | prefixcache (--backend) | prefixcache req/s | llama-server req/s | ratio "
+          "| p99 prefixcache / llama-server | valid |")
+    print("|---|---|---|---|---|---|---|")
     by = {(r.server, r.workload): r for r in results}
     for workload in ("classification", "extraction"):
-        a, b = by[("prefixcache", workload)], by.get(("llama-server", workload))
-        ratio = f"**{a.rate / b.rate:.2f}x**" if b and b.rate else "-"
-        peer = f"{b.rate:.2f}" if b else "skipped"
-        p99 = f"{a.percentile(0.99):.2f} s / {b.percentile(0.99):.2f} s" if b else f"{a.percentile(0.99):.2f} s / -"
-        valid = f"{a.valid}/{options.requests}" + (f", {b.valid}/{options.requests}" if b else "")
-        print(f"| {workload} | {a.rate:.2f} | {peer} | {ratio} | {p99} | {valid} |")
+        for backend in options.backends:
+            a, b = by[(ours_name(backend), workload)], by.get(("llama-server", workload))
+            ratio = f"**{a.rate / b.rate:.2f}x**" if b and b.rate else "-"
+            peer = f"{b.rate:.2f}" if b else "skipped"
+            p99 = f"{a.percentile(0.99):.2f} s / {b.percentile(0.99):.2f} s" if b else f"{a.percentile(0.99):.2f} s / -"
+            valid = f"{a.valid}/{options.requests}" + (f", {b.valid}/{options.requests}" if b else "")
+            print(f"| {workload} | {backend} | {a.rate:.2f} | {peer} | {ratio} | {p99} | {valid} |")
+
+
+def ours_name(backend: str) -> str:
+    """The result name of prefixcache served with ``--backend backend`` (plain ``prefixcache`` for ``auto``)."""
+    return "prefixcache" if backend == "auto" else f"prefixcache --backend {backend}"

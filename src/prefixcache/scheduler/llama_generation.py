@@ -1,0 +1,159 @@
+"""The engine loop's generating rows on llama.cpp: a :class:`~prefixcache.scheduler.generation.GenerationBackend`.
+
+llama.cpp decodes from the ``.gguf``'s own quantized blocks (:class:`~prefixcache.model.llama_cpp.LlamaCpp`), so a
+step reads a quarter of the bytes torch's float32 weights take; the engine loop keeps everything else: the
+schedule, cancellation, fairness, sampling, the answer schema, copy fields and stop strings run on the logits this
+backend returns, exactly as on torch's.
+
+Sequence ids of the one context:
+
+* ``0 .. rows-1`` are rows: a generating sequence's slot is its row's sequence id;
+* ``rows .. sequences-1`` are holders: a prefix is decoded once into a holder (keyed by its token ids), and a row
+  admitted onto it is copied from it (:meth:`LlamaCpp.copy_sequence`: its cells are shared, not copied). A holder
+  no row reads is dropped, oldest first, when a new prefix needs its id or its cells.
+
+Cells: a row reserves its ``own_tokens`` (its ids and every generated token but the last) when it is admitted, a
+holder its prefix's length, and the total never passes the context's cells; a row that cannot fit waits, and one
+that could never fit beside its prefix fails alone (:class:`~prefixcache.errors.SequenceTooLongError`).
+
+What it cannot do: a prefix whose keys/values are not its tokens' (a tuned prefix) has no tokens to decode, and its
+rows have no final-layer state for a fitted head (:meth:`LlamaGeneration.state` is None); callers choose torch
+for those (:mod:`prefixcache.scheduler.backend_choice`). Results are not batch-invariant (llama.cpp's kernels
+quantize activations per block): its agreement with torch is measured, not proved.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence as Seq
+
+import numpy as np
+import torch
+
+from ..cache.kv import PrefixKV
+from ..cache.slots import Feed
+from ..errors import SequenceTooLongError
+from ..model.llama_cpp import LlamaCpp
+from .sequence import Sequence
+
+
+class LlamaGeneration:
+    """Generating rows in one llama.cpp context (see the module docstring): ``rows`` row ids, the rest holders."""
+
+    name = "llama.cpp"
+
+    def __init__(self, llama: LlamaCpp, rows: int):
+        if not 0 < rows < llama.shape.sequences:
+            raise ValueError(f"rows must leave at least one holder id of {llama.shape.sequences}: {rows}")
+        self.llama, self.rows = llama, rows
+        self.holders: OrderedDict[tuple[int, ...], int] = OrderedDict()  # prefix tokens -> holder id, oldest first
+        self.readers: dict[int, int] = {}  # holder id -> rows reading it
+        self.reserved: dict[int, tuple[int, int | None]] = {}  # row id -> (cells it reserved, its holder or None)
+        self.tokens_decoded = 0  # every token llama.cpp decoded (prefixes and rows): the backend's prefill count
+
+    @property
+    def cells_used(self) -> int:
+        """Cells reserved: every holder's prefix and every row's own tokens."""
+        return sum(len(tokens) for tokens in self.holders) + sum(cells for cells, _ in self.reserved.values())
+
+    def take(self, seq: Sequence) -> int | None:
+        """A row for ``seq``, copied from its prefix's holder (decoded now if it is not held), or None: it waits.
+
+        Raises:
+            SequenceTooLongError: ``seq``'s own tokens and its prefix can never fit in the context's cells.
+        """
+        tokens, need, cells = seq.prefix.token_ids, seq.own_tokens, self.llama.shape.cells
+        if need + len(tokens) > cells:
+            raise SequenceTooLongError(
+                f"{len(seq.ids)} tokens of its own and up to {need - len(seq.ids)} generated, after a {len(tokens)}-"
+                f"token prefix, do not fit llama.cpp's {cells}-cell context; shorten it or lower max_new_tokens")
+        free = [row for row in range(self.rows) if row not in self.reserved]
+        holder = self.holders.get(tokens) if tokens else None
+        if not free or not self._room(need + (0 if holder is not None or not tokens else len(tokens)), tokens):
+            return None
+        if tokens and holder is None:
+            holder = self._hold(tokens)
+            if holder is None:
+                return None
+        row = free[0]
+        if holder is not None:
+            self.holders.move_to_end(tokens)
+            self.readers[holder] = self.readers.get(holder, 0) + 1
+            self.llama.copy_sequence(holder, row)
+        self.reserved[row] = (need, holder)
+        return row
+
+    def _room(self, cells: int, keep: tuple[int, ...]) -> bool:
+        """Whether ``cells`` more fit, dropping holders no row reads (oldest first, never ``keep``) to make room."""
+        limit = self.llama.shape.cells
+        for tokens in list(self.holders):
+            if self.cells_used + cells <= limit:
+                break
+            if tokens != keep and not self.readers.get(self.holders[tokens]):
+                self._drop_holder(tokens)
+        return self.cells_used + cells <= limit
+
+    def _hold(self, tokens: tuple[int, ...]) -> int | None:
+        """Decode ``tokens`` into a free holder id (dropping an unread holder for one); None: every id is read."""
+        ids = set(range(self.rows, self.llama.shape.sequences)) - set(self.holders.values())
+        if not ids:
+            idle = next((t for t, h in self.holders.items() if not self.readers.get(h)), None)
+            if idle is None:
+                return None
+            self._drop_holder(idle)
+            ids = set(range(self.rows, self.llama.shape.sequences)) - set(self.holders.values())
+        holder = min(ids)
+        self._decode(list(tokens), list(range(len(tokens))), [holder] * len(tokens), [])
+        self.holders[tokens] = holder
+        return holder
+
+    def _drop_holder(self, tokens: tuple[int, ...]) -> None:
+        holder = self.holders.pop(tokens)
+        self.readers.pop(holder, None)
+        self.llama.drop_sequence(holder)
+
+    def feed(self, prefix: PrefixKV, feeds: Seq[Feed]) -> list[torch.Tensor]:
+        """One step's feeds, packed (in batches of the context's size when they are more): each feed's tokens at
+        positions after the prefix in its row. Returns each feed's next-token logits ``[V]`` (float32)."""
+        tokens, positions, seqs, lasts = [], [], [], []
+        for feed in feeds:
+            if feed.slot not in self.reserved:
+                raise ValueError(f"row {feed.slot} is not taken")
+            start = prefix.length + feed.start
+            tokens += feed.ids
+            positions += range(start, start + len(feed.ids))
+            seqs += [feed.slot] * len(feed.ids)
+            lasts.append(len(tokens) - 1)
+        return list(torch.from_numpy(self._decode(tokens, positions, seqs, lasts)))  # B x [V]
+
+    def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], outputs: list[int]) -> np.ndarray:
+        """Decode in batches of at most the context's batch size; the logits at ``outputs``, ``[len(outputs), V]``."""
+        size, parts = self.llama.shape.batch, []
+        for lo in range(0, len(tokens), size):
+            hi = lo + size
+            here = [i - lo for i in outputs if lo <= i < hi]
+            parts.append(self.llama.decode(tokens[lo:hi], positions[lo:hi], seqs[lo:hi], here))
+        self.tokens_decoded += len(tokens)
+        return np.concatenate(parts) if parts else np.zeros((0, self.llama.vocab), dtype=np.float32)
+
+    def logits(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+        """The rows' logits ``[b, V]`` (already computed by :meth:`feed`)."""
+        return torch.stack(outputs) if outputs else torch.empty(0)
+
+    def state(self, output) -> None:
+        return None  # llama.cpp's rows carry no final-layer state here (see the module docstring)
+
+    def give(self, slot: int) -> None:
+        """Row ``slot`` back: its cells freed (its prefix's stay with the holder), its reservation dropped."""
+        _, holder = self.reserved.pop(slot)
+        if holder is not None and holder in self.readers:
+            self.readers[holder] -= 1
+        self.llama.drop_sequence(slot)
+
+    def trim(self, running: bool) -> bool:
+        return False  # one context of fixed cells: nothing grows, so nothing is given back
+
+    def close(self) -> None:
+        """Every row back (holders stay decoded for the next run over the same prefix)."""
+        for row in list(self.reserved):
+            self.give(row)
