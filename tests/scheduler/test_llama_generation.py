@@ -9,6 +9,8 @@ The native library is not needed here (tests/model/test_llama_cpp.py runs the re
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -154,3 +156,19 @@ def test_the_choice_names_why():
     with pytest.raises(BackendError, match="backend must be one of auto, torch, llama.cpp"):
         choose(LOADED, "ggml")
     assert choose(LOADED, "auto", needs_torch="a tuned prefix runs on torch").why == "a tuned prefix runs on torch"
+
+
+def test_auto_follows_the_measured_rule(monkeypatch):
+    import prefixcache.scheduler.backend_choice as backend_choice
+
+    probed = []
+    monkeypatch.setattr(backend_choice, "_llama_problem", lambda loaded: probed.append(loaded) or None)
+    monkeypatch.setattr(backend_choice, "cpu_has_fast_bf16", lambda: True)
+    bf16 = dataclasses.replace(LOADED, dtype=torch.bfloat16)
+    assert choose(bf16, "auto", rows=1).name == "llama.cpp", "one row at a time: llama.cpp"
+    assert choose(bf16, "auto", rows=32).name == "torch", "bfloat16 batches: torch"
+    assert len(probed) == 1, "no probe decode where torch wins anyway"
+    assert choose(LOADED, "auto", rows=32).name == "llama.cpp", "float32 weights: llama.cpp at any batch"
+    monkeypatch.setattr(backend_choice, "cpu_has_fast_bf16", lambda: False)
+    assert choose(bf16, "auto", rows=32).name == "llama.cpp", "no native bfloat16: llama.cpp"
+    assert choose(bf16, "llama.cpp", rows=32).name == "llama.cpp"

@@ -60,13 +60,19 @@ def choose(loaded: LoadedModel, asked: str, needs_torch: str | None = None, rows
         raise BackendError(f"backend must be one of {', '.join(BACKENDS)}, not {asked!r}")
     if asked == "torch":
         return BackendChoice("torch", "asked for")
+    faster = None if asked == "llama.cpp" else _faster(loaded, rows)  # cheap rules before the probe decode
+    if faster is not None and faster.name == "torch":
+        return faster
     problem = needs_torch or _llama_problem(loaded)
     if problem is not None:
         if asked == "llama.cpp":
             raise BackendError(f"the llama.cpp backend cannot run this: {problem}; use {setting('backend', 'torch')}")
         return BackendChoice("torch", problem)
-    if asked == "llama.cpp":
-        return BackendChoice("llama.cpp", "asked for")
+    return faster or BackendChoice("llama.cpp", "asked for")
+
+
+def _faster(loaded: LoadedModel, rows: int) -> BackendChoice:
+    """Which backend generates ``rows`` at once the faster on this machine, as measured (see the module docstring)."""
     if loaded.dtype == torch.float32 or not cpu_has_fast_bf16():
         return BackendChoice("llama.cpp", "torch's generation reads float32 weights here; llama.cpp reads 4-bit blocks")
     if rows <= BF16_LLAMA_ROWS:
