@@ -98,6 +98,7 @@ class Service:
         generation = (pooled_llama_generation(loaded, settings.max_batch, self.pool)
                       if self.backend.name == "llama.cpp" else None)  # None: torch's slots, in the budget
         loop = EngineLoop(loaded.model, loaded.tokenizer, loop_config, self.pool, generation)
+        log.info("generating requests run on %s (%s)", self.backend.name, self.backend.why)
         self.engine = EngineThread(loop, settings, metrics)
         self._runners: dict[str, TaskRunner] = {}
         self._startup: set[str] = set()  # the registered tasks that are start-up tasks (not replaced since)
