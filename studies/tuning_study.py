@@ -25,8 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accuracy_study import (  # noqa: E402  (the data sets and splits of the head study)
-    BUNDLED_TICKETS, HANDWRITTEN, banking77_rows, jsonl_rows, load_task_file, natcs71_rows, stratified_take,
-    without_examples,
+    BUNDLED_TICKETS, HANDWRITTEN, NATCS71_INSTRUCTION, NATCS71_LABELS, TASK_DIR, banking77_rows, jsonl_rows,
+    load_task_file, natcs71_rows, stratified_take, without_examples, write_task,
 )
 
 from prefixcache.engine.confidence import confidence_and_correct, expected_calibration_error  # noqa: E402
@@ -40,7 +40,19 @@ from prefixcache.scheduler.classify import Classifier  # noqa: E402
 from prefixcache.scheduler.feature_pass import collect_features, own_rows  # noqa: E402
 from prefixcache.types import Mode, Record, RunConfig  # noqa: E402
 
-DATA = {"banking77": ("banking77-short", banking77_rows), "natcs71": ("natcs-intents-short", natcs71_rows)}
+DATA = {"banking77": ("banking77-short", banking77_rows), "natcs71": ("natcs-71-short", natcs71_rows)}
+
+
+def data_task(data: str):
+    """The task a data set is classified with. ``natcs-71-short`` (natcs-71's instruction and its 71 intents'
+    names, no descriptions and no examples, as banking77-short is to banking77) is written on first use."""
+    name = "support-tickets" if data == "tickets" else DATA[data][0]
+    path = TASK_DIR / f"{name}.yaml"
+    if name == "natcs-71-short" and not path.exists():
+        write_task(path, ["natcs-71 with the instruction and the intent names only (no descriptions, no examples):",
+                          "the short prompt of studies/tuning_study.py and tuning_curves.py. See docs/accuracy.md."],
+                   name, NATCS71_INSTRUCTION, {label: "" for label in NATCS71_LABELS}, [], "Customer: {text}")
+    return load_task_file(name)
 
 
 def records(rows: list[dict]) -> list[Record]:
@@ -74,6 +86,49 @@ def timed_classify(loaded, task, head, scored: list[Record]) -> tuple[np.ndarray
     return np.array([p.scores.logprobs for p in predictions]), ms
 
 
+def linear_head(loaded, task, fit_rows: list[dict], seed: int):
+    """What ``fit --tune head`` fits on ``fit_rows``: the head and its wall seconds, features included."""
+    started = time.perf_counter()
+    features = collect_features(loaded, task, records(fit_rows), config=RunConfig(batch_size=32))
+    head = fit_head(features, [r["label"] for r in fit_rows], folds=5, seed=seed).head
+    return head, time.perf_counter() - started
+
+
+def tuned_prefix_head(loaded, task, fit_rows: list[dict], config: TuneConfig, hooks: Hooks = Hooks()):
+    """What ``fit --tune prefix`` fits on ``fit_rows`` (its manifest filled in), and the prompt's own rows."""
+    labels = list(task.labels)
+    own = own_rows(loaded, task, records(fit_rows))
+    scorer = LabelScorer(loaded.model, own.prompt, "first-token")
+    fit_gold = np.array([labels.index(r["label"]) for r in fit_rows])
+    tuned = tune_prefix(loaded, scorer, own.prompt.prefix_ids, own.rows, fit_gold, config, hooks)
+    tuned.head.manifest.update(tuned_manifest(tuned, loaded, own, config, task.name))
+    return tuned, own
+
+
+def refitted_head(loaded, task, fit_rows: list[dict], tuned, seed: int):
+    """What ``fit --tune prefix`` writes by default (``refit_head``): ``fit``'s head over features collected through
+    ``tuned``'s prefix, carrying that prefix, calibrated on the tuning's held-out rows; and its seconds (the
+    tuning's included)."""
+    refitted = refit_head(loaded, task, records(fit_rows), [r["label"] for r in fit_rows], tuned,
+                          RefitConfig(seed=seed), RunConfig(batch_size=32))
+    refitted.tuned.head.manifest.update(refit_manifest(refitted, tuned.head.manifest))
+    return refitted.tuned.head, tuned.seconds + refitted.seconds
+
+
+def scored_figures(loaded, task, head, scored_rows: list[dict]) -> dict:
+    """Accuracy, calibration error and batched ms/record of ``head`` (None: the prompt alone) on ``scored_rows``."""
+    labels = list(task.labels)
+    gold = np.array([labels.index(r["label"]) for r in scored_rows])
+    logprobs, ms = timed_classify(loaded, task, head, records(scored_rows))
+    return figures(logprobs, gold) | {"ms_per_record": ms}
+
+
+def tuned_figures(tuned) -> dict:
+    """The tuning's own record: its epochs, best epoch, held-out accuracy and prefix length."""
+    return {"epochs": [vars(e) for e in tuned.epochs], "best_epoch": tuned.best_epoch,
+            "heldout_accuracy": tuned.heldout_accuracy, "prefix_tokens": tuned.head.prefix.length}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("data", choices=["tickets", *DATA])
@@ -89,44 +144,24 @@ def main() -> None:
     from prefixcache.cli.loading import open_model
 
     loaded = open_model("smollm2-135m", args.dtype, 2)
-    task = load_task_file("support-tickets" if args.data == "tickets" else DATA[args.data][0])
+    task = data_task(args.data)
     fit_rows, scored_rows = split(args, task)
-    fit, scored = records(fit_rows), records(scored_rows)
-    labels = list(task.labels)
-    gold = np.array([labels.index(r["label"]) for r in scored_rows])
-    results, times = {}, {}
+    results = {"prompt alone": scored_figures(loaded, task, None, scored_rows) | {"fit_seconds": 0.0}}
 
-    logprobs, times["prompt"] = timed_classify(loaded, task, None, scored)
-    results["prompt alone"] = figures(logprobs, gold) | {"fit_seconds": 0.0, "ms_per_record": times["prompt"]}
-
-    started = time.perf_counter()
-    features = collect_features(loaded, task, fit, config=RunConfig(batch_size=32))
-    head = fit_head(features, [r["label"] for r in fit_rows], folds=5, seed=args.seed).head
-    seconds = time.perf_counter() - started
-    logprobs, ms = timed_classify(loaded, task, head, scored)
-    results["linear head"] = figures(logprobs, gold) | {"fit_seconds": seconds, "ms_per_record": ms}
+    head, seconds = linear_head(loaded, task, fit_rows, args.seed)
+    results["linear head"] = scored_figures(loaded, task, head, scored_rows) | {"fit_seconds": seconds}
 
     config = TuneConfig(epochs=args.epochs, seed=args.seed, virtual_tokens=args.virtual_tokens)
-    own = own_rows(loaded, task, fit)
-    scorer = LabelScorer(loaded.model, own.prompt, "first-token")
-    fit_gold = np.array([labels.index(r["label"]) for r in fit_rows])
-    tuned = tune_prefix(loaded, scorer, own.prompt.prefix_ids, own.rows, fit_gold, config,
-                        Hooks(on_epoch=lambda e: print(e, file=sys.stderr, flush=True)))
-    tuned.head.manifest.update(tuned_manifest(tuned, loaded, own, config, task.name))
-    logprobs, ms = timed_classify(loaded, task, tuned.head, scored)
-    results["tuned prefix"] = figures(logprobs, gold) | {
-        "fit_seconds": tuned.seconds, "ms_per_record": ms, "epochs": [vars(e) for e in tuned.epochs],
-        "best_epoch": tuned.best_epoch, "heldout_accuracy": tuned.heldout_accuracy, "prefix_tokens": tuned.head.prefix.length}
+    tuned, own = tuned_prefix_head(loaded, task, fit_rows, config,
+                                   Hooks(on_epoch=lambda e: print(e, file=sys.stderr, flush=True)))
+    results["tuned prefix"] = scored_figures(loaded, task, tuned.head, scored_rows) | {
+        "fit_seconds": tuned.seconds} | tuned_figures(tuned)
 
-    refitted = refit_head(loaded, task, fit, [r["label"] for r in fit_rows], tuned, RefitConfig(seed=args.seed),
-                          RunConfig(batch_size=32))  # what `fit --tune prefix` writes by default
-    refitted.tuned.head.manifest.update(refit_manifest(refitted, tuned.head.manifest))
-    seconds = tuned.seconds + refitted.seconds
-    logprobs, ms = timed_classify(loaded, task, refitted.tuned.head, scored)
-    results["tuned prefix + head"] = figures(logprobs, gold) | {"fit_seconds": seconds, "ms_per_record": ms}
+    refit, seconds = refitted_head(loaded, task, fit_rows, tuned, args.seed)
+    results["tuned prefix + head"] = scored_figures(loaded, task, refit, scored_rows) | {"fit_seconds": seconds}
 
     document = {"data": args.data, "task": task.name, "model": loaded.identity, "fit_rows": len(fit_rows),
-                "scored_rows": len(scored_rows), "labels": len(labels), "prompt_tokens": len(own.prompt.prefix_ids),
+                "scored_rows": len(scored_rows), "labels": len(task.labels), "prompt_tokens": len(own.prompt.prefix_ids),
                 "seed": args.seed, "machine": machine_info(str(loaded.dtype).removeprefix("torch."), 2), "command": " ".join(sys.argv), "results": results}
     args.json.write_text(json.dumps(document, indent=1))
     for name, row in results.items():

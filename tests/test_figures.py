@@ -142,3 +142,22 @@ def test_the_demo_table_shows_each_timed_mode_and_the_heads_figures():
     table = tables.demo_table(doc)
     assert "| full | 1 | 300.0 | 1.0x | 60/60 |" in table and "| batched | 32 | 20.0 | 15.0x | 59/60 |" in table
     assert "bfloat16: 52.3%" in table and "prompt 50.0% -> head 97.0%" in table and "2-core AMD EPYC, AVX2 only" in table
+
+
+def test_the_curves_table_shows_each_method_at_each_point_and_why_one_is_absent():
+    figures = lambda acc, seconds: {"accuracy": acc, "ece": 0.05, "fit_seconds": seconds, "ms_per_record": 40.0}
+    doc = {"machine": {"cpu": "AMD EPYC", "cores": 2, "flags": ["avx2"], "dtype": "float32", "threads": 1}, "model": "m",
+           "data": "banking77", "task": "banking77-short", "labels": 77, "scored_rows": 308, "commit": "abc1234",
+           "date": "2026-12-07", "epochs": 3, "runs": ["studies/tuning_curves.py banking77"],
+           "prompt": figures(0.127, 0.0),
+           "points": [{"per_label": 2, "fit_rows": 154, "results": {"linear head": figures(0.42, 30.0),
+                                                                  "tuned prefix": figures(0.3, 200.0),
+                                                                  "tuned prefix + head": figures(0.5, 260.0)}},
+                      {"per_label": "all", "fit_rows": 9695, "results": {"linear head": figures(0.9, 900.0)},
+                       "absent": {"tuned prefix": {"why": "not run: expected to take 3600 s", "extrapolated_seconds": 3600}}}]}
+    table = tables.curves_table([doc])
+    assert "| banking77: method | 2 / intent (154) | all rows (9,695) |" in table
+    assert "| prompt alone | 12.7% (5.0%) | 12.7% (5.0%) |" in table
+    assert "| linear head | 42.0% (5.0%, 30 s) | 90.0% (5.0%, 15 min) |" in table
+    assert "| tuned prefix | 30.0% (5.0%, 3 min) | – |" in table
+    assert "banking77, all: tuned prefix not run: expected to take 3600 s" in table and "1 torch thread(s)" in table

@@ -17,7 +17,8 @@ A table sits between two marker comments in a markdown file::
 Kinds (every JSON is one command's output; its caption says which machine): ``modes`` (every lane of a
 ``bench`` run), ``lanes`` (the README's short form of one), ``sweep`` (``bench --sweep-prefix``), ``labels`` (the many-label floor), ``demo`` (``demo --json``),
 ``loadtest`` (``prefixcache loadtest --json``), ``accuracy`` (pairs of ``eval --json``: the prompt, then a head),
-``machines`` (several ``bench`` runs, one row per machine).
+``machines`` (several ``bench`` runs, one row per machine), ``tuning`` (``studies/tuning_study.py``), ``curves``
+(``studies/tuning_curves.py``: accuracy against labelled rows per intent).
 """
 
 from __future__ import annotations
@@ -231,7 +232,49 @@ def tuning_table(docs: list[dict]) -> str:
         caption(bare, facts)
 
 
-MULTI: dict[str, Callable] = {"accuracy": accuracy_table, "machines": machines_table, "tuning": tuning_table}
+CURVE_METHODS = ("prompt alone", "linear head", "tuned prefix", "tuned prefix + head")
+
+
+def curve_cell(row: dict | None) -> str:
+    """One method at one point of a curve: accuracy (calibration error, fit time); "–" where it was not run."""
+    if row is None:
+        return "–"
+    seconds = row.get("fit_seconds")
+    fit = f", {seconds:.0f} s" if seconds and seconds < 120 else f", {duration(seconds)}" if seconds else ""
+    return f"{100 * row['accuracy']:.1f}% ({100 * row['ece']:.1f}%{fit})"
+
+
+def curves_table(docs: list[dict]) -> str:
+    """``studies/tuning_curves.py`` runs, one table per data set: each method's held-out accuracy (calibration error,
+    fit time) at each number of labelled rows per intent, every point scored on the same held-out rows."""
+    out, notes = [], []
+    for doc in docs:
+        points = doc["points"]
+        header = [f"{doc['data']}: method"] + [
+            f"{p['per_label']}{' / intent' if p['per_label'] != 'all' else ' rows'} ({p['fit_rows']:,})" for p in points]
+        rows = [[name] + [curve_cell(doc["prompt"] if name == "prompt alone" else p["results"].get(name))
+                          for p in points] for name in CURVE_METHODS]
+        out.append(md_table(header, rows))
+        commits = ", ".join(sorted({p.get("commit", doc["commit"]) for p in points} | {doc["commit"]}))
+        notes.append(f"{doc['data']} (`{doc['task']}`, {doc['labels']} labels, {doc['scored_rows']} held-out rows, "
+                     f"commits {commits}, {doc['date']})")
+        for p in points:
+            for method in CURVE_METHODS:
+                why = p.get("absent", {}).get(method)
+                if why:
+                    notes.append(f"{doc['data']}, {p['per_label']}: {method} {why if isinstance(why, str) else why['why']}")
+        if doc["prompt"] and doc["prompt"].get("source"):
+            notes.append(f"{doc['data']}: the prompt alone from {doc['prompt']['source']}")
+    commands = ", ".join(f"`{c}`" for d in docs for c in d["runs"])
+    bare = {**docs[0], "machine": {k: v for k, v in docs[0]["machine"].items() if k != "command"}}
+    facts = (f"{docs[0]['model']}, {docs[0]['machine']['threads']} torch thread(s), at most {docs[0]['epochs']} "
+             f"tuning epochs; {'; '.join(notes)}; the commands: "
+             f"{commands}")
+    return "\n".join(out) + caption(bare, facts)
+
+
+MULTI: dict[str, Callable] = {"accuracy": accuracy_table, "machines": machines_table, "tuning": tuning_table,
+                              "curves": curves_table}
 KINDS: dict[str, Callable] = {
     "modes": modes_table, "lanes": lanes_table, "sweep": sweep_table,
     "labels": labels_table, "demo": demo_table, "loadtest": loadtest_table,
