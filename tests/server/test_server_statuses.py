@@ -115,12 +115,12 @@ def test_an_unexpected_error_is_a_500_in_the_routes_shape_logged_and_counted_wit
 
 def test_an_engine_failure_stays_a_500_logged_with_the_id_in_an_answer_and_in_a_stream(loaded, task, monkeypatch,
                                                                                       caplog):
-    from prefixcache.scheduler import engine_loop
+    from prefixcache.scheduler import generation
 
     def broken(*args, **kwargs):
         raise RuntimeError("the slot pass broke")
 
-    monkeypatch.setattr(engine_loop, "forward_slots", broken)
+    monkeypatch.setattr(generation, "forward_slots", broken)  # torch's generation backend's pass
     with caplog.at_level(logging.ERROR), serving(loaded, [task]) as server:
         status, headers, answer = call(server, "POST", "/v1/chat/completions", chat("hi", 2))
         rid = headers["x-request-id"]
