@@ -9,6 +9,7 @@ row is given back. Skipped, saying why, where llama.cpp is not built here.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -55,10 +56,20 @@ def test_extraction_and_a_json_schema_chat_run_on_llama_cpp(served):
     assert service.pool.stats().reserved_bytes == context_bytes(service.loaded, backend.llama.shape.cells) > 0
 
 
-def test_a_chat_longer_than_the_context_holds_is_413(served):
+def test_a_chat_longer_than_the_context_holds_is_413_before_any_work(served):
     cells = served.app.state.service.engine.engine.generation.llama.shape.cells
     words = " ".join(["refund"] * cells)
     answer = served.post("/v1/chat/completions", json={
         "model": "smollm2-135m", "max_tokens": 16, "messages": [{"role": "user", "content": words}]})
-    assert answer.status_code in (400, 413), answer.text
-    assert answer.json()["error"]["message"]
+    assert answer.status_code == 413, answer.text
+    most = re.search(r"add up to at most (\d+) tokens", answer.json()["error"]["message"])
+    assert most and int(most.group(1)) <= cells, "refused before any work, within the context's cells, the limit named"
+
+
+def test_the_llama_cpp_context_caps_what_one_request_may_hold():
+    from prefixcache.server.kv_room import KVRoom
+    from tests.support.models import tiny_loaded
+
+    model = tiny_loaded("llama").model
+    assert KVRoom(model, 2**30).most_tokens > 1000
+    assert KVRoom(model, 2**30, token_cap=1000).most_tokens == 1000, "the context's cells bound a request"

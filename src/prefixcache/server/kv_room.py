@@ -32,8 +32,8 @@ from ..scheduler.slot_budget import SLOT_ROUND, slot_length
 class KVRoom:
     """The bytes one sequence's slot may take under ``budget_bytes`` over ``model`` (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, budget_bytes: int):
-        self.budget_bytes = budget_bytes
+    def __init__(self, model: torch.nn.Module, budget_bytes: int, token_cap: int | None = None):
+        self.budget_bytes, self.token_cap = budget_bytes, token_cap
         self.per_token = KVShape.of(model.config).nbytes(1, next(model.parameters()).element_size())
         self.pinned_bytes = 0  # bytes of the pinned prefixes (the service keeps it up to date)
 
@@ -44,8 +44,10 @@ class KVRoom:
 
     @property
     def most_tokens(self) -> int:
-        """The most own tokens one sequence can have (a whole number of slot rounds)."""
-        return self.room // self.per_token // SLOT_ROUND * SLOT_ROUND
+        """The most own tokens one sequence can have (a whole number of slot rounds), and at most ``token_cap``
+        (the cells of a llama.cpp context, which hold a row and its prefix together), where there is one."""
+        most = self.room // self.per_token // SLOT_ROUND * SLOT_ROUND
+        return most if self.token_cap is None else min(most, self.token_cap)
 
     def need(self, own_tokens: int) -> int:
         """Bytes of the slot a sequence with ``own_tokens`` own tokens takes."""

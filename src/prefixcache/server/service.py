@@ -102,7 +102,8 @@ class Service:
         self.engine = EngineThread(loop, settings, metrics)
         self._runners: dict[str, TaskRunner] = {}
         self._startup: set[str] = set()  # the registered tasks that are start-up tasks (not replaced since)
-        self.kv_room = KVRoom(loaded.model, settings.cache_budget_bytes)  # what one request's slot may take
+        cells = None if generation is None else generation.llama.shape.cells  # llama.cpp: a row and its prefix
+        self.kv_room = KVRoom(loaded.model, settings.cache_budget_bytes, cells)  # what one request's slot may take
         self.openai = OpenAIRunners(loaded, self.pool, settings.method, self.kv_room)  # the OpenAI routes' runners
         self._builds = asyncio.Lock()  # one prefix build at a time on the model thread (steps run between builds)
 
