@@ -53,6 +53,11 @@ class Result:
     latencies: list[float] = field(default_factory=list)
     valid: int = 0
     errors: list[str] = field(default_factory=list)
+    answer_tokens: list[int] = field(default_factory=list)  # each answer's completion tokens (the server's usage)
+
+    @property
+    def tokens_per_answer(self) -> float:
+        return sum(self.answer_tokens) / len(self.answer_tokens) if self.answer_tokens else float("nan")
 
     @property
     def rate(self) -> float:
@@ -88,14 +93,14 @@ def chats(task_name: str, count: int) -> Chats:
 
 def drive(base_url: str, key: str, messages: list[list[dict]], clients: int, workload: tuple[str, dict, object]):
     """Send every chat once from ``clients`` closed-loop clients, with ``workload``'s extra fields and validity
-    check; (seconds, latencies, errors, valid answers)."""
+    check; (seconds, latencies, errors, valid answers, each answer's completion tokens)."""
     import openai
 
     _, extra, valid = workload
     work: queue.SimpleQueue = queue.SimpleQueue()
     for chat in messages:
         work.put(chat)
-    latencies, errors, ok, lock = [], [], [0], threading.Lock()
+    latencies, errors, ok, tokens, lock = [], [], [0], [], threading.Lock()
 
     def client() -> None:
         api = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=600)
@@ -117,6 +122,7 @@ def drive(base_url: str, key: str, messages: list[list[dict]], clients: int, wor
             with lock:
                 latencies.append(time.perf_counter() - started)
                 ok[0] += good
+                tokens.append(answer.usage.completion_tokens if answer.usage else 0)
 
     started = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
@@ -124,7 +130,7 @@ def drive(base_url: str, key: str, messages: list[list[dict]], clients: int, wor
         thread.start()
     for thread in threads:
         thread.join()
-    return time.perf_counter() - started, latencies, errors, ok[0]
+    return time.perf_counter() - started, latencies, errors, ok[0], tokens
 
 
 def is_json_answer(text: str) -> bool:
@@ -157,11 +163,12 @@ def run_server(name: str, start, options: PeerOptions, chats: Chats, peer: bool)
     try:
         for workload, messages in zip(workloads(chats.labels, peer), (chats.classify, chats.extract)):
             drive(base_url, key, messages[: options.clients], options.clients, workload)  # warm-up
-            seconds, latencies, errors, ok = drive(base_url, key, messages, options.clients, workload)
-            result = Result(name, workload[0], seconds, latencies, ok, errors)
+            seconds, latencies, errors, ok, tokens = drive(base_url, key, messages, options.clients, workload)
+            result = Result(name, workload[0], seconds, latencies, ok, errors, tokens)
             results.append(result)
             print(f"[{name}] {workload[0]}: {result.rate:.2f} req/s, p99 {result.percentile(0.99):.2f} s, "
-                  f"{ok}/{len(messages)} valid, {len(errors)} errors", flush=True)
+                  f"{ok}/{len(messages)} valid, {len(errors)} errors, {result.tokens_per_answer:.1f} tokens an answer",
+                  flush=True)
     finally:
         server.stop()
     return results
@@ -198,7 +205,8 @@ def run_peer(options: PeerOptions) -> bool:
     machine = machine_info(options.dtype, options.threads)
     print_table(results, options, machine)
     if options.json_path:
-        document = {"machine": machine, "results": [r.__dict__ | {"rate": r.rate} for r in results]}
+        document = {"machine": machine,
+                    "results": [r.__dict__ | {"rate": r.rate, "tokens_per_answer": r.tokens_per_answer} for r in results]}
         Path(options.json_path).write_text(json.dumps(document, indent=1))
     return all(not r.errors for r in results)
 
@@ -209,8 +217,8 @@ def print_table(results: list[Result], options: PeerOptions, machine: dict) -> N
     print(f"\n{machine_name(machine)}; {options.requests} requests per workload, "
           f"{options.clients} clients, dtype {options.dtype}")
     print("| workload | prefixcache (--backend) | prefixcache req/s | llama-server req/s | ratio "
-          "| p99 prefixcache / llama-server | valid |")
-    print("|---|---|---|---|---|---|---|")
+          "| p99 prefixcache / llama-server | tokens an answer | valid |")
+    print("|---|---|---|---|---|---|---|---|")
     by = {(r.server, r.workload): r for r in results}
     for workload in ("classification", "extraction"):
         for backend in options.backends:
@@ -219,7 +227,8 @@ def print_table(results: list[Result], options: PeerOptions, machine: dict) -> N
             peer = f"{b.rate:.2f}" if b else "skipped"
             p99 = f"{a.percentile(0.99):.2f} s / {b.percentile(0.99):.2f} s" if b else f"{a.percentile(0.99):.2f} s / -"
             valid = f"{a.valid}/{options.requests}" + (f", {b.valid}/{options.requests}" if b else "")
-            print(f"| {workload} | {backend} | {a.rate:.2f} | {peer} | {ratio} | {p99} | {valid} |")
+            tokens = f"{a.tokens_per_answer:.1f}" + (f" / {b.tokens_per_answer:.1f}" if b else "")
+            print(f"| {workload} | {backend} | {a.rate:.2f} | {peer} | {ratio} | {p99} | {tokens} | {valid} |")
 
 
 def ours_name(backend: str) -> str:
