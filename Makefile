@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # llama.cpp, the generation backend on CPUs without native bfloat16 (--backend auto|llama.cpp), built once from
-# llama-cpp-python's sdist for this CPU (about 10 minutes on 2 cores), its wheel kept under ~/.cache keyed by version,
+# llama-cpp-python's sdist for this CPU (about 4 minutes on 2 idle cores), its wheel kept under ~/.cache keyed by version,
 # build flags and the CPU's vector extensions; later installs take the kept wheel. A failed build is said once, and
 # generation runs on torch.
 LLAMA_CPP_VERSION := 0.3.36
@@ -35,7 +35,7 @@ LLAMA_STAMP       := $(VENV)/.llama-cpp-$(LLAMA_CPP_KEY)
 
 $(LLAMA_STAMP): $(STAMP)
 	ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || { \
-	  echo "building llama-cpp-python $(LLAMA_CPP_VERSION) for this CPU, once (about 10 minutes on 2 cores) ..."; \
+	  echo "building llama-cpp-python $(LLAMA_CPP_VERSION) for this CPU, once (about 4 minutes on 2 idle cores) ..."; \
 	  CMAKE_ARGS="$(LLAMA_CPP_FLAGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip wheel -q --no-deps \
 	    --no-binary llama-cpp-python -w $(LLAMA_WHEELS) llama-cpp-python==$(LLAMA_CPP_VERSION) >$(VENV)/llama-cpp-build.log 2>&1 \
 	  || rm -rf $(LLAMA_WHEELS); }
