@@ -31,7 +31,6 @@ from typing import Callable
 
 from ..errors import BackendError
 from ..eval.verify_extract import compare_extractions
-from ..scheduler.backend_choice import choose, llama_generation
 from ..scheduler.extract import Extraction, ExtractStats, Extractor
 from ..scheduler.loop import BoundTask
 from ..types import Mode, Record, RunConfig
@@ -121,15 +120,14 @@ def backend_twin(extractor: Extractor, asked: str, rows: int, log: Callable[[str
     """
     if asked == "torch":
         return None
+    twin = copy.copy(extractor)
     try:
-        choose(extractor.loaded, "llama.cpp", extractor.needs_torch())
+        twin.use_backend("llama.cpp", rows)
     except BackendError as exc:
         if asked == "llama.cpp":
             raise
         log(f"llama.cpp backend lanes skipped: {exc}")
         return None
-    twin = copy.copy(extractor)
-    twin.backend = llama_generation(extractor.loaded, rows)
     return twin
 
 

@@ -16,34 +16,11 @@ import numpy as np
 import torch
 
 from .lanes import Lane
+from ..model.llama_cpp import llama_cpp_problem
 from ..model.load import EMBEDDED, embedded_gguf
 from ..scheduler.classify import Classifier
 from ..task.prompt import Encoded
 from ..types import LabelScores, Prediction, Record, RunStats
-
-
-_PROBE = """
-import sys, llama_cpp
-llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, n_threads=int(sys.argv[2]), verbose=False)
-llm.eval(llm.tokenize(b"Hello there, how are you today?", add_bos=False))
-"""
-
-
-def _probe(gguf: Path, threads: int) -> str | None:
-    """Run a multi-token decode in a child process; a build that crashes on this CPU must not take the bench down."""
-    import subprocess
-    import sys
-
-    try:
-        done = subprocess.run([sys.executable, "-c", _PROBE, str(gguf), str(threads)], capture_output=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        return "a 7-token probe decode did not finish in 120 s"
-    if done.returncode != 0:
-        return (
-            f"its decode crashed in a probe on this CPU (exit {done.returncode}); rebuild it from source for this CPU, "
-            "e.g. with AMX off: see docs/benchmarks.md, 'llama.cpp on AMX CPUs'"
-        )
-    return None
 
 
 def open_llama(model_spec: str, threads: int, log: Callable[[str], None]):
@@ -61,7 +38,7 @@ def open_llama(model_spec: str, threads: int, log: Callable[[str], None]):
     else:
         log("llama.cpp: skipped (it needs a .gguf model)")
         return None
-    problem = _probe(gguf, threads)
+    problem = llama_cpp_problem(str(gguf), threads)  # the backend's probe decode, in a child process
     if problem:
         log(f"llama.cpp: skipped ({problem})")
         return None

@@ -40,6 +40,7 @@ from ..model.load import LoadedModel
 from ..task.prompt import Encoded
 from ..types import Mode, Record, RunConfig, WindowStats
 from .engine_loop import EngineLoop, LoopConfig
+from .generation import GenerationBackend
 from .sequence import Scores, Sequence
 
 Progress = Callable[[int], None]
@@ -108,7 +109,7 @@ class BoundTask:
         self._prefix: PrefixKV | None = None
         self._empty = empty_prefix(loaded.model)
         self.tuned: TunedPrefix | None = None  # set: records follow this fitted prefix instead of the prompt's
-        self.backend = None  # set (a GenerationBackend kept across runs): generating rows run there, not on torch
+        self.backend: GenerationBackend | None = None  # set (kept across runs): generating rows run there, not torch
 
     @property
     def prefix(self) -> PrefixKV:
