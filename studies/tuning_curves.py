@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,8 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accuracy_study import stratified_take, without_examples  # noqa: E402
 from tuning_study import (  # noqa: E402  (the methods, their figures and the held-out split)
-    DATA, Hooks, TuneConfig, data_task, linear_head, machine_info, refitted_head, scored_figures, split, tuned_figures,
-    tuned_prefix_head,
+    DATA, Hooks, TuneConfig, commit, data_task, ids_hash, linear_head, machine_info, refitted_head, scored_figures, split,
+    tuned_figures, tuned_prefix_head,
 )
 
 ANCHOR = 10  # the held-out rows are tuning_study.py's at this many fitted rows per intent
@@ -59,18 +57,6 @@ def rows_at(order: list[dict], per_label: int | None) -> list[dict]:
         if per_label is None or counts[row["label"]] <= per_label:
             out.append(row)
     return out
-
-
-def ids_hash(rows: list[dict]) -> str:
-    return hashlib.sha256("\n".join(sorted(r["id"] for r in rows)).encode()).hexdigest()[:16]
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def open_document(args, loaded, task, scored: list[dict]) -> dict:

@@ -1,24 +1,34 @@
 # Study behind docs/accuracy.md, "A tuned prefix": the comparison table and its JSON under docs/bench/.
-"""Prompt alone, linear head, tuned prefix, and tuned prefix + a head refitted on its states, side by side, on rows
-held out of every fit and of the prompt.
+r"""Prompt alone, linear head, tuned prefix, tuned prefix + a head refitted on its states, and LoRA on the model's
+weights (record tokens only; alone and + a refitted head), side by side, on rows held out of every fit and of the
+prompt.
 
 Each run writes one JSON (``--json``) that names its machine, the rows and every figure: accuracy and calibration
 error on the scored rows, fit wall time, and classification ms/record (batched, same machine, same run) for the
 prompt's prefix and the tuned one. Everything is computed by the package itself: ``collect_features`` and
 ``fit_head`` (what ``prefixcache fit`` runs), ``tune_prefix`` (the prefix and head ``fit --tune prefix
 --no-refit-head`` writes), ``refit_head`` (the head ``fit --tune prefix`` writes with the prefix by default) and
-``Classifier`` (what ``classify --head`` runs).
+``Classifier`` (what ``classify --head`` runs); LoRA by ``studies/lora_tuning.py`` through the same tuning loop.
+
+``--only`` runs some methods and writes their rows into the existing ``--json`` (same data, split, model and seed,
+else refused), each row with its own run's commit, date, machine and command.
 
     .venv/bin/python studies/tuning_study.py banking77 --per-label 10 --scored-per-label 4 --json docs/bench/tuning-banking77.json
     .venv/bin/python studies/tuning_study.py tickets --json docs/bench/tuning-tickets.json
+    .venv/bin/python studies/tuning_study.py tickets --epochs 3 --only lora --threads 1 \
+        --json docs/bench/tuning-tickets.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import hashlib
 import json
+import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +51,22 @@ from prefixcache.scheduler.feature_pass import collect_features, own_rows  # noq
 from prefixcache.types import Mode, Record, RunConfig  # noqa: E402
 
 DATA = {"banking77": ("banking77-short", banking77_rows), "natcs71": ("natcs-71-short", natcs71_rows)}
+METHODS = ("prompt", "head", "prefix", "lora")  # --only's choices: the rows each gives are in measure()
+SAME_SPLIT = ("data", "task", "model", "fit_rows", "scored_rows", "labels", "seed")  # what --only checks
+
+
+def ids_hash(rows: list[dict]) -> str:
+    """The rows' ids, sorted and hashed (16 hex digits): which rows a figure was measured on."""
+    return hashlib.sha256("\n".join(sorted(r["id"] for r in rows)).encode()).hexdigest()[:16]
+
+
+def commit() -> str:
+    """The repository's short HEAD commit, or ``unknown``."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def data_task(data: str):
@@ -129,6 +155,73 @@ def tuned_figures(tuned) -> dict:
             "heldout_accuracy": tuned.heldout_accuracy, "prefix_tokens": tuned.head.prefix.length}
 
 
+def lora_rows(args, base, task, fit_rows: list[dict], scored_rows: list[dict]) -> dict:
+    """LoRA on the weights, record tokens only (``studies/lora_tuning.py``), alone and with a head refitted on its
+    states, on the transformers decoder for training and served merged on the lean one. Each row also carries
+    ``base_ms_per_record``: the same head and prefix classified by ``base`` (the unadapted lean model) in the same
+    run, the per-record cost LoRA is compared with."""
+    from lora_tuning import LoraSettings, tune_lora
+
+    from prefixcache.cli.loading import open_model
+
+    trained_on = open_model("smollm2-135m", args.dtype, args.threads, decoder="transformers")
+    labels = list(task.labels)
+    own = own_rows(trained_on, task, records(fit_rows))
+    config = TuneConfig(epochs=args.epochs, lr=args.lora_lr, seed=args.seed)
+    settings = LoraSettings()
+    lora = tune_lora(trained_on, own, np.array([labels.index(r["label"]) for r in fit_rows]), config, settings,
+                     Hooks(on_epoch=lambda e: print(e, file=sys.stderr, flush=True)), task.name)
+    same_head = replace(lora.head, manifest=lora.head.manifest | {"model": base.identity})
+    base_ms = scored_figures(base, task, same_head, scored_rows)["ms_per_record"]
+    about = {"lora": lora.head.manifest["tuned"]["lora"], "lr": args.lora_lr, "base_ms_per_record": base_ms}
+    rows = {"LoRA (record tokens)": scored_figures(lora.served, task, lora.head, scored_rows) | {
+        "fit_seconds": lora.tuned.seconds} | tuned_figures(lora.tuned) | about}
+    refit, seconds = refitted_head(lora.served, task, fit_rows, lora.tuned, args.seed)
+    rows["LoRA (record tokens) + head"] = scored_figures(lora.served, task, refit, scored_rows) | {
+        "fit_seconds": seconds, "base_ms_per_record": base_ms}
+    return rows
+
+
+def measure(args, loaded, task, fit_rows: list[dict], scored_rows: list[dict]) -> tuple[dict, int]:
+    """The rows of the methods ``args.only`` names, in the table's order, and the prompt's prefix length."""
+    results, only = {}, set(args.only)
+    own = own_rows(loaded, task, records(fit_rows[:1]))
+    if "prompt" in only:
+        results["prompt alone"] = scored_figures(loaded, task, None, scored_rows) | {"fit_seconds": 0.0}
+    if "head" in only:
+        head, seconds = linear_head(loaded, task, fit_rows, args.seed)
+        results["linear head"] = scored_figures(loaded, task, head, scored_rows) | {"fit_seconds": seconds}
+    if "prefix" in only:
+        config = TuneConfig(epochs=args.epochs, seed=args.seed, virtual_tokens=args.virtual_tokens)
+        tuned, own = tuned_prefix_head(loaded, task, fit_rows, config,
+                                       Hooks(on_epoch=lambda e: print(e, file=sys.stderr, flush=True)))
+        results["tuned prefix"] = scored_figures(loaded, task, tuned.head, scored_rows) | {
+            "fit_seconds": tuned.seconds} | tuned_figures(tuned)
+        refit, seconds = refitted_head(loaded, task, fit_rows, tuned, args.seed)
+        results["tuned prefix + head"] = scored_figures(loaded, task, refit, scored_rows) | {"fit_seconds": seconds}
+    if "lora" in only:
+        results |= lora_rows(args, loaded, task, fit_rows, scored_rows)
+    return results, len(own.prompt.prefix_ids)
+
+
+def write(args, document: dict, results: dict) -> None:
+    """Write ``document`` with ``results`` to ``args.json``: as it is when every method ran; with ``--only``, the
+    rows merged into the existing file (a row of the same name replaced, the others kept), each carrying this
+    run's ``run`` record. Refuses a file of another data set, split, model or seed."""
+    if set(args.only) == set(METHODS) or not args.json.exists():
+        document["results"] = results
+        args.json.write_text(json.dumps(document, indent=1))
+        return
+    existing = json.loads(args.json.read_text())
+    differ = [k for k in SAME_SPLIT if existing.get(k) != document[k]]
+    if differ:
+        raise SystemExit(f"{args.json} was measured on another {', '.join(differ)}; write another file")
+    run = {"commit": commit(), "date": datetime.date.today().isoformat(), "machine": document["machine"],
+           "fit_ids_sha256": document["fit_ids_sha256"], "scored_ids_sha256": document["scored_ids_sha256"]}
+    existing["results"] = existing["results"] | {name: row | {"run": run} for name, row in results.items()}
+    args.json.write_text(json.dumps(existing, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("data", choices=["tickets", *DATA])
@@ -138,36 +231,28 @@ def main() -> None:
     parser.add_argument("--virtual-tokens", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", help="float32: torch's CPU backward is faster than bfloat16's here")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--only", nargs="+", choices=METHODS, default=list(METHODS),
+                        help="the methods to run (default: all); a subset is merged into the existing --json")
+    parser.add_argument("--lora-lr", type=float, default=2e-3, help="the LoRA adapters' learning rate (AdamW)")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
 
     from prefixcache.cli.loading import open_model
 
-    loaded = open_model("smollm2-135m", args.dtype, 2)
+    loaded = open_model("smollm2-135m", args.dtype, args.threads)
     task = data_task(args.data)
     fit_rows, scored_rows = split(args, task)
-    results = {"prompt alone": scored_figures(loaded, task, None, scored_rows) | {"fit_seconds": 0.0}}
-
-    head, seconds = linear_head(loaded, task, fit_rows, args.seed)
-    results["linear head"] = scored_figures(loaded, task, head, scored_rows) | {"fit_seconds": seconds}
-
-    config = TuneConfig(epochs=args.epochs, seed=args.seed, virtual_tokens=args.virtual_tokens)
-    tuned, own = tuned_prefix_head(loaded, task, fit_rows, config,
-                                   Hooks(on_epoch=lambda e: print(e, file=sys.stderr, flush=True)))
-    results["tuned prefix"] = scored_figures(loaded, task, tuned.head, scored_rows) | {
-        "fit_seconds": tuned.seconds} | tuned_figures(tuned)
-
-    refit, seconds = refitted_head(loaded, task, fit_rows, tuned, args.seed)
-    results["tuned prefix + head"] = scored_figures(loaded, task, refit, scored_rows) | {"fit_seconds": seconds}
-
+    results, prompt_tokens = measure(args, loaded, task, fit_rows, scored_rows)
     document = {"data": args.data, "task": task.name, "model": loaded.identity, "fit_rows": len(fit_rows),
-                "scored_rows": len(scored_rows), "labels": len(task.labels), "prompt_tokens": len(own.prompt.prefix_ids),
-                "seed": args.seed, "machine": machine_info(str(loaded.dtype).removeprefix("torch."), 2), "command": " ".join(sys.argv), "results": results}
-    args.json.write_text(json.dumps(document, indent=1))
+                "scored_rows": len(scored_rows), "labels": len(task.labels), "prompt_tokens": prompt_tokens,
+                "seed": args.seed, "fit_ids_sha256": ids_hash(fit_rows), "scored_ids_sha256": ids_hash(scored_rows),
+                "machine": machine_info(str(loaded.dtype).removeprefix("torch."), args.threads),
+                "command": " ".join(sys.argv)}
+    write(args, document, results)
     for name, row in results.items():
-        print(f"{name:22s} accuracy {row['accuracy']:.1%}  ECE {row['ece']:.1%}  fit {row['fit_seconds']:.0f} s  "
+        print(f"{name:28s} accuracy {row['accuracy']:.1%}  ECE {row['ece']:.1%}  fit {row['fit_seconds']:.0f} s  "
               f"{row['ms_per_record']:.1f} ms/record")
-
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ class TuneConfig:
     """How a prefix is tuned. ``virtual_tokens``: the tuned prefix's length (None: the prompt's whole prefix)."""
 
     epochs: int = 4
-    lr: float = 3e-3  # the prefix's keys and values (AdamW)
+    lr: float = 3e-3  # what is trained beneath the head: the prefix's keys and values (AdamW)
     head_lr: float = 1e-2  # the linear head, over standardized states
     batch_size: int = 16
     holdout: float = 0.2  # share of the rows kept out of training: early stopping and calibration

@@ -15,6 +15,10 @@ prefix's states measured worse on banking77: docs/accuracy.md). The result *is* 
 (``FittedHead.prefix``), and every path that takes a head serves it unchanged. A stratified part of the rows (``holdout``) is never trained on: it picks the best
 epoch (early stopping) and calibrates the confidence (a temperature, and the rows ``--target-accuracy`` reads).
 
+The training itself is :func:`tune_body`, over any :class:`Body` that makes the states the head reads:
+:class:`PrefixBody` (the prefix's keys and values) here; ``studies/lora_tuning.py`` trains LoRA adapters on the
+model's weights the same way, scored and stopped exactly as the prefix is.
+
 ``prefixcache fit --tune prefix`` writes, by default, the tuned prefix with a head refitted on its states instead
 of this joint head (:mod:`prefixcache.eval.tune_refit`). This module knows nothing about files, flags or printing.
 """
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -32,7 +36,7 @@ from ..cache.kv import PrefixKV
 from ..engine.confidence import Calibration, confidence_and_correct, expected_calibration_error, fit_temperature
 from ..engine.head import FittedHead, fold_standardization
 from ..engine.head_file import FORMAT, library_versions, prefix_hash
-from ..engine.rows import last_hidden_packed, packed_last_states
+from ..engine.rows import packed_last_states
 from ..engine.scoring import LabelScorer
 from ..errors import InputError
 from ..model.load import LoadedModel
@@ -75,24 +79,43 @@ class Tuned:
         return float(self.correct.mean()) if len(self.correct) else float("nan")
 
 
-@dataclass
-class _Params:
-    """What training changes: the prefix's keys and values (float32 leaves) and the head over standardized states."""
+class Body(Protocol):
+    """What :func:`tune_body` trains beneath the joint head, and the pass the head reads.
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    weight: torch.Tensor  # [L, H]
-    bias: torch.Tensor  # [L]
-    token_ids: tuple[int, ...]
+    ``tensors``: the leaves the optimizer moves (at ``TuneConfig.lr``, float32); early stopping copies them and
+    writes the best epoch's values back into them in place. ``states(rows)``: each row's final state at its last
+    token ``[B, H]`` (records' own token ids, packed after the body's prefix), differentiable in ``tensors`` under
+    grad mode. ``carried()``: that prefix as the head carries it (float32, detached, the tensors' current values).
+    """
 
-    def prefix(self, dtype: torch.dtype) -> PrefixKV:
+    tensors: list[torch.Tensor]
+
+    def states(self, rows: Sequence[Sequence[int]]) -> torch.Tensor: ...
+
+    def carried(self) -> PrefixKV: ...
+
+
+class PrefixBody:
+    """The prefix's keys and values as float32 leaves, read by the frozen model: the :class:`Body` that
+    :func:`tune_prefix` trains. The model's weights are never written."""
+
+    def __init__(self, loaded: LoadedModel, prefix: PrefixKV):
+        leaves = lambda ts: [t.detach().float().clone().requires_grad_(True) for t in ts]  # noqa: E731
+        self.model, self.dtype, self.token_ids = loaded.model, loaded.dtype, prefix.token_ids
+        self.keys, self.values = leaves(prefix.keys), leaves(prefix.values)
+        self.tensors = self.keys + self.values
+
+    def prefix(self) -> PrefixKV:
         """The prefix in the model's dtype (differentiable casts of the leaves)."""
+        dtype = self.dtype
         return PrefixKV(self.token_ids, tuple(k.to(dtype) for k in self.keys), tuple(v.to(dtype) for v in self.values))
 
-    def snapshot(self) -> _Params:
-        clone = lambda ts: [t.detach().clone() for t in ts]  # noqa: E731
-        return _Params(clone(self.keys), clone(self.values), self.weight.detach().clone(), self.bias.detach().clone(),
-                       self.token_ids)
+    def states(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        return packed_last_states(self.model, self.prefix(), rows)  # [B, H]
+
+    def carried(self) -> PrefixKV:
+        return PrefixKV(self.token_ids, tuple(k.detach().float().cpu().contiguous() for k in self.keys),
+                        tuple(v.detach().float().cpu().contiguous() for v in self.values))
 
 
 def start_prefix(loaded: LoadedModel, prefix_ids: Sequence[int], virtual_tokens: int | None) -> PrefixKV:
@@ -131,11 +154,47 @@ def tune_prefix(
         InputError: fewer than 4 rows (some must be held out).
     """
     started = time.perf_counter()
+    body = PrefixBody(loaded, start_prefix(loaded, prefix_ids, config.virtual_tokens))
+    return tune_body(scorer, body, rows, gold, config, hooks, started)
+
+
+def tune_body(
+    scorer: LabelScorer,
+    body: Body,
+    rows: Sequence[Sequence[int]],
+    gold: np.ndarray,
+    config: TuneConfig = TuneConfig(),
+    hooks: Hooks = Hooks(),
+    started: float | None = None,
+) -> Tuned:
+    """Train ``body`` (at ``config.lr``) and a joint head (at ``config.head_lr``, from zero) on ``rows`` with
+    ``gold [N]`` label indices into ``scorer.labels``, holding out a stratified ``config.holdout`` share of the rows
+    to pick the best epoch and fit the temperature on; ``body`` is left at the best epoch's values. ``started``
+    (a ``time.perf_counter()`` reading, default now) is where ``Tuned.seconds`` and the epochs' seconds count from.
+
+    Deterministic for a seed on one machine and thread count (the seed is set here, after ``body`` was made).
+
+    Raises:
+        InputError: fewer than 4 rows (some must be held out).
+    """
+    started = time.perf_counter() if started is None else started
     torch.manual_seed(config.seed)
     train, heldout = split_rows(gold, config.holdout, config.seed)
-    trainer = _Trainer(loaded, scorer, rows, gold, config, _start(loaded, scorer, prefix_ids, rows, train, config))
+    trainer = _Trainer(scorer, body, rows, gold, config, _standardization(body, rows, train))
     start_accuracy = float((trainer.log_probs(heldout).argmax(1) == gold[heldout]).mean())
-    best, best_key, epochs, stale = trainer.params.snapshot(), (-1.0, 0.0), [], 0
+    epochs = _early_stopped(trainer, train, heldout, hooks, started)
+    calibration, confidence, correct, ece = calibrate(trainer.log_probs(heldout), gold[heldout])
+    best_epoch = max(range(len(epochs)), key=lambda i: (epochs[i].heldout_accuracy, -epochs[i].heldout_loss)) + 1
+    return Tuned(trainer.head(), epochs, best_epoch, start_accuracy, calibration, heldout, confidence, correct, ece,
+                 time.perf_counter() - started)
+
+
+def _early_stopped(trainer: _Trainer, train: np.ndarray, heldout: np.ndarray, hooks: Hooks,
+                   started: float) -> list[Epoch]:
+    """Train epoch after epoch (at most ``config.epochs``; ``config.patience`` epochs without a better held-out
+    (accuracy, -loss) stop it); leaves ``trainer`` at its best epoch's values and returns every epoch's figures."""
+    config, gold = trainer.config, trainer.gold
+    best, best_key, epochs, stale = trainer.snapshot(), (-1.0, 0.0), [], 0
     order = np.random.default_rng(config.seed)
     for epoch in range(1, config.epochs + 1):
         loss = trainer.train_epoch(order.permutation(train), hooks.on_batch)
@@ -146,14 +205,11 @@ def tune_prefix(
         if hooks.on_epoch is not None:
             hooks.on_epoch(figures)
         if (figures.heldout_accuracy, -figures.heldout_loss) > best_key:
-            best, best_key, stale = trainer.params.snapshot(), (figures.heldout_accuracy, -figures.heldout_loss), 0
+            best, best_key, stale = trainer.snapshot(), (figures.heldout_accuracy, -figures.heldout_loss), 0
         elif (stale := stale + 1) >= config.patience:
             break
-    trainer.params = best
-    calibration, confidence, correct, ece = calibrate(trainer.log_probs(heldout), gold[heldout])
-    best_epoch = max(range(len(epochs)), key=lambda i: (epochs[i].heldout_accuracy, -epochs[i].heldout_loss)) + 1
-    return Tuned(trainer.head(), epochs, best_epoch, start_accuracy, calibration, heldout, confidence, correct, ece,
-                 time.perf_counter() - started)
+    trainer.restore(best)
+    return epochs
 
 
 def split_rows(gold: np.ndarray, holdout: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -184,44 +240,34 @@ def calibrate(logprobs: np.ndarray, gold: np.ndarray) -> tuple[Calibration, np.n
     return calibration, confidence, correct, (raw, expected_calibration_error(confidence, correct))
 
 
-@dataclass(frozen=True)
-class _Start:
-    """Where training starts: the parameters (the start prefix as float32 leaves, a zero head) and the training rows'
-    final-state mean and scale ``[H]`` under the start prefix, which standardize what the head reads."""
-
-    params: _Params
-    mean: torch.Tensor
-    scale: torch.Tensor
-
-
-def _start(loaded, scorer, prefix_ids, rows, train, config: TuneConfig) -> _Start:
-    prefix = start_prefix(loaded, prefix_ids, config.virtual_tokens)
-    states = torch.cat([last_hidden_packed(loaded.model, prefix, [rows[i] for i in chunk]).float()
-                        for chunk in np.array_split(train, max(1, len(train) // 32))])  # [N_train, H]
-    mean, scale = states.mean(0), states.std(0).clamp_min(1e-4)  # [H], [H]
-    leaves = lambda ts: [t.detach().float().clone().requires_grad_(True) for t in ts]  # noqa: E731
-    weight = torch.zeros(len(scorer.labels), states.shape[1], device=states.device, requires_grad=True)  # [L, H]
-    bias = torch.zeros(len(scorer.labels), device=states.device, requires_grad=True)  # [L]
-    params = _Params(leaves(prefix.keys), leaves(prefix.values), weight, bias, prefix.token_ids)
-    return _Start(params, mean, scale)
+def _standardization(body: Body, rows, train: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training rows' final-state mean and scale ``[H]`` under ``body`` as it starts: what standardizes the
+    states the head reads."""
+    with torch.inference_mode():
+        states = torch.cat([body.states([rows[i] for i in chunk]).float()
+                            for chunk in np.array_split(train, max(1, len(train) // 32))])  # [N_train, H]
+    return states.mean(0), states.std(0).clamp_min(1e-4)  # [H], [H]
 
 
 class _Trainer:
-    """The training state of one :func:`tune_prefix` call: the model and rows it reads, the parameters it changes."""
+    """The training state of one :func:`tune_body` call: the rows it reads, the body and the head it changes."""
 
-    def __init__(self, loaded: LoadedModel, scorer: LabelScorer, rows, gold: np.ndarray, config: TuneConfig, start: _Start):
-        self.loaded, self.scorer, self.rows, self.gold, self.config = loaded, scorer, rows, gold, config
-        self.params, self.mean, self.scale = start.params, start.mean, start.scale
-        self.optimizer = torch.optim.AdamW([{"params": self.params.keys + self.params.values, "lr": config.lr},
-                                            {"params": [self.params.weight, self.params.bias], "lr": config.head_lr}],
+    def __init__(self, scorer: LabelScorer, body: Body, rows, gold: np.ndarray, config: TuneConfig,
+                 standardization: tuple[torch.Tensor, torch.Tensor]):
+        self.scorer, self.body, self.rows, self.gold, self.config = scorer, body, rows, gold, config
+        self.mean, self.scale = standardization
+        labels, width = len(scorer.labels), self.mean.shape[0]
+        self.weight = torch.zeros(labels, width, device=self.mean.device, requires_grad=True)  # [L, H]
+        self.bias = torch.zeros(labels, device=self.mean.device, requires_grad=True)  # [L]
+        self.optimizer = torch.optim.AdamW([{"params": list(body.tensors), "lr": config.lr},
+                                            {"params": [self.weight, self.bias], "lr": config.head_lr}],
                                            weight_decay=0.0)
 
     def batch_log_probs(self, index: Sequence[int]) -> torch.Tensor:
         """The head's label log-probs ``[B, L]`` of the rows at ``index`` (differentiable under grad mode)."""
-        params = self.params
-        hidden = packed_last_states(self.loaded.model, params.prefix(self.loaded.dtype), [self.rows[i] for i in index])
+        hidden = self.body.states([self.rows[i] for i in index])  # [B, H]
         standard = (hidden.float() - self.mean) / self.scale  # [B, H]
-        return torch.log_softmax(self.scorer.first_token(hidden) + standard @ params.weight.T + params.bias, dim=-1)
+        return torch.log_softmax(self.scorer.first_token(hidden) + standard @ self.weight.T + self.bias, dim=-1)
 
     def train_epoch(self, order: np.ndarray, on_batch) -> float:
         """One pass over the training rows in ``order``, in batches; returns the mean loss."""
@@ -244,14 +290,21 @@ class _Trainer:
             parts = [self.batch_log_probs(index[s : s + step]) for s in range(0, len(index), step)]
         return torch.cat(parts).float().cpu().numpy() if parts else np.zeros((0, len(self.scorer.labels)), np.float32)
 
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of everything training changes: the body's tensors, then the head's weight and bias."""
+        return [t.detach().clone() for t in [*self.body.tensors, self.weight, self.bias]]
+
+    def restore(self, snapshot: list[torch.Tensor]) -> None:
+        """Write a :meth:`snapshot` back into the tensors it was taken from (in place)."""
+        with torch.no_grad():
+            for tensor, saved in zip([*self.body.tensors, self.weight, self.bias], snapshot, strict=True):
+                tensor.copy_(saved)
+
     def head(self) -> FittedHead:
-        """The parameters as a head on the prompt (prompt scale 1) over raw ``last`` states, with its prefix."""
-        params = self.params
+        """The parameters as a head on the prompt (prompt scale 1) over raw ``last`` states, with the body's prefix."""
         cpu = lambda t: t.detach().cpu().numpy()  # noqa: E731
-        weight, bias = fold_standardization(cpu(params.weight), cpu(params.bias), cpu(self.mean), cpu(self.scale))
-        prefix = PrefixKV(params.token_ids, tuple(k.detach().float().cpu().contiguous() for k in params.keys),
-                          tuple(v.detach().float().cpu().contiguous() for v in params.values))
-        return FittedHead(weight, bias, 1.0, tuple(self.scorer.labels), "last", {}, prefix)
+        weight, bias = fold_standardization(cpu(self.weight), cpu(self.bias), cpu(self.mean), cpu(self.scale))
+        return FittedHead(weight, bias, 1.0, tuple(self.scorer.labels), "last", {}, self.body.carried())
 
 
 def tuned_manifest(tuned: Tuned, loaded: LoadedModel, own, config: TuneConfig, task: str) -> dict:
