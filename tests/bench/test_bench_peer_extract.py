@@ -124,7 +124,8 @@ def test_the_bench_adds_the_lane_and_compares_it_with_free_decoding(tiny_llama, 
     peer = LlamaCppGenerator(FakeLlama(tiny_llama, str(tmp_path / "m.gguf")), extractor)
     lanes = bench_extract(Extractor(tiny_llama, task), _records(TEXTS[:4]), 4, log=lambda _: None,
                           free=Extractor(tiny_llama, task, constrained=False), peer=peer)
-    assert [lane.mode for lane in lanes] == ["full", "cached", "batched", UNCONSTRAINED, STATIC, LLAMA_CPP]
+    assert [lane.mode for lane in lanes] == ["full", "cached", "batched", "cached-stepwise", UNCONSTRAINED, STATIC,
+                                                LLAMA_CPP]
     lane = lanes[-1]
     assert (lane.batch_size, lane.records, lane.constrained) == (1, 4, False)
     assert lane.identical == 1.0  # the same greedy text as our own free decoding

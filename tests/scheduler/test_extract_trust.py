@@ -184,9 +184,10 @@ def test_bench_measures_the_copy_constraint_beside_the_schema_alone(setup):
     extractor = Extractor(loaded, parse_task(TASK, kinds=("extract",)))
     records = [Record(f"r{i}", {"text": t}) for i, (t, _, _) in enumerate(ROWS[:3])]
     lanes = bench_extract(extractor, records, 3, log=lambda _: None)
-    assert [lane.mode for lane in lanes] == ["full", "cached", "batched", SCHEMA_ONLY, STATIC]
-    assert lanes[3].constrained and lanes[3].parse_errors == 0 and extractor.copied == ("ref",)
-    assert lanes[4].identical == 1.0, "static batches give what the engine loop gives"
+    assert [lane.mode for lane in lanes] == ["full", "cached", "batched", "cached-stepwise", SCHEMA_ONLY, STATIC]
+    assert lanes[3].identical == 1.0, "a step for every token gives what fast-forward gives"
+    assert lanes[4].constrained and lanes[4].parse_errors == 0 and extractor.copied == ("ref",)
+    assert lanes[5].identical == 1.0, "static batches give what the engine loop gives"
 
 
 def test_a_choice_field_with_no_value_is_scored_wrong_not_a_crash():

@@ -286,11 +286,12 @@ def test_bench_extract_reports_ttft_and_tokens_per_s(model_dir, files, tmp_path)
     options = BenchOptions(task=str(roomy), items=4, model=model_dir, dtype="float32", threads=None, batch_size=4, llama_cpp=False)
     lines: list[str] = []
     report, document = run_extract_bench(options, log=lines.append)
-    assert [r.mode for r in report.results] == ["full", "cached", "batched", "batched-unconstrained", "batched-static"]
-    assert all(r.label_agreement == 1.0 for r in report.results[:3]), "cached outputs must equal uncached outputs"
-    assert report.results[4].label_agreement == 1.0, "static batches give what the engine loop gives"
+    assert [r.mode for r in report.results] == ["full", "cached", "batched", "cached-stepwise", "batched-unconstrained",
+                                                "batched-static"]
+    assert all(r.label_agreement == 1.0 for r in report.results[:4]), "cached outputs must equal uncached outputs"
+    assert report.results[5].label_agreement == 1.0, "static batches give what the engine loop gives"
     lanes = {lane["mode"]: lane for lane in document["extract"]}
-    for name in ("full", "cached", "batched", "batched-static"):
+    for name in ("full", "cached", "batched", "cached-stepwise", "batched-static"):
         lane = lanes[name]
         assert lane["ttft_ms_mean"] > 0 and lane["tokens_per_s"] > 0 and lane["identical"] == 1.0 and lane["constrained"]
         assert lane["parse_errors"] == 0, f"{name}: a constrained output failed to parse"

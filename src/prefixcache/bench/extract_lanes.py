@@ -6,7 +6,9 @@ The ``full``, ``cached`` and ``batched`` lanes decode under the task's answer sc
 a last lane, ``batched-unconstrained``, decodes the same batches freely, to show what the constraint costs
 and how many outputs it changes or rescues. For a task with ``copy`` fields, ``batched-schema-only`` decodes the
 same batches under the schema alone (copy fields as plain strings), so the copy constraint's cost is measured in
-the same run; its identical share is against ``batched``.
+the same run; its identical share is against ``batched``. ``cached-stepwise`` (and, with the llama.cpp backend,
+``cached-llama.cpp-stepwise``) runs the cached lane with a step for every token, the ones the answer's grammar
+forces included: what fast-forward (:class:`~prefixcache.scheduler.engine_loop.EngineLoop`) saves, in the same run.
 
 The decoding floor (:func:`~prefixcache.bench.roofline.decode_floor`): the memory read bandwidth measured in
 the same run over the model's weight bytes, the most tokens/s a batch-size-1 greedy decoder can generate (each
@@ -42,6 +44,7 @@ from .roofline import DecodeFloor, decode_floor
 UNCONSTRAINED = "batched-unconstrained"  # the lane that decodes without the answer schema
 SCHEMA_ONLY = "batched-schema-only"  # the lane that decodes under the schema without the copy constraint
 STATIC = "batched-static"  # the batched lane in static batches (no row joins until the batch's last one ends)
+STEPWISE = "stepwise"  # a lane's suffix when its rows take a step for every token (no fast-forward of forced ones)
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,8 @@ def bench_extract(
     free: Extractor | None = None, peer: Callable[[list[Record]], tuple[list[Extraction], ExtractStats]] | None = None,
     backend: Extractor | None = None,
 ) -> list[ExtractLaneResult]:
-    """Time full (uncached), cached and batched extraction on the same records, after a warm-up; then, with
+    """Time full (uncached), cached and batched extraction on the same records, after a warm-up, and the cached lane
+    without fast-forward (``cached-stepwise``); then, with
     ``backend`` (the same extractor on another generation backend), its cached and batched lanes, compared with
     the full lane; then, with an
     unconstrained ``free`` extractor of the same task, batched extraction without the constraint; then the
@@ -80,8 +84,10 @@ def bench_extract(
     unconstrained lane's (or, without one, the full lane's). Before the peer, ``batched-static``: the batched lane
     in static batches (the path the engine loop replaced), compared with the full lane."""
     lanes = [(mode.value, extractor, mode) for mode in Mode]  # full (the reference) first
+    lanes.append((f"{Mode.CACHED.value}-{STEPWISE}", stepwise_twin(extractor), Mode.CACHED))
     if backend is not None:
         lanes += [(f"{mode.value}-{backend.backend.name}", backend, mode) for mode in (Mode.CACHED, Mode.BATCHED)]
+        lanes.append((f"{Mode.CACHED.value}-{backend.backend.name}-{STEPWISE}", stepwise_twin(backend), Mode.CACHED))
     if extractor.copied:
         lanes.append((SCHEMA_ONLY, schema_only(extractor), Mode.BATCHED))
     if free is not None:
@@ -136,6 +142,14 @@ def schema_only(extractor: Extractor) -> Extractor:
     plain = copy.copy(extractor)
     plain.copied = ()
     return plain
+
+
+def stepwise_twin(extractor: BoundTask) -> BoundTask:
+    """A copy of ``extractor`` whose rows take a step for every token, the ones their grammar forces included (no
+    fast-forward), timed beside the fast-forwarded lanes."""
+    twin = copy.copy(extractor)
+    twin.fast_forward = False
+    return twin
 
 
 def static_twin(extractor: BoundTask) -> BoundTask:

@@ -169,6 +169,7 @@ class ConstrainedRows:
         self._budget = max_new_tokens if constraint.close_within_budget else None
         shortest = self._closing_path(start.deep_copy(), max_new_tokens) if self._budget else []
         self._closing_length = [max_new_tokens if shortest is None else len(shortest)] * batch  # as last measured
+        self._measured_at = [0] * batch  # tokens the row had generated when its closing path was last measured
         self.shortest = shortest  # the shortest complete answer's tokens (None: none within the budget; [] unmeasured)
 
     def check_answerable(self) -> None:
@@ -226,17 +227,41 @@ class ConstrainedRows:
             return None
         return "length" if self._closing[row] else "stop"
 
+    def next_forced(self, row: int) -> int | None:
+        """The token the grammar alone decides for ``row`` next, or None: the model must be asked.
+
+        That is the next canonical token of the bytes the grammar forces (keys, separators, the rest of an enum
+        value), or the end token once the grammar is complete and allows nothing else. Masked decoding would pick
+        exactly this token (it is the only one allowed), so a caller may append it without a forward pass and feed
+        it with the row's next tokens (a sampling row then draws only for the tokens it picks). None while the row follows its closing path or has
+        one token of budget left (those stay with :meth:`mask_`). Call :meth:`accept` with it before asking again.
+        """
+        if self._closing[row] or (self._budget is not None and self._generated[row] >= self._budget - 1):
+            return None
+        matcher = self._matchers[row]
+        if matcher.is_stopped() or matcher.is_error():
+            return None
+        forced = matcher.compute_ff_tokens()
+        if forced:
+            return forced[0]
+        if self._eos is None or not matcher.is_accepting():
+            return None
+        bits = self._bits[-1:].clone()  # [1, W]
+        matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * bits.element_size())
+        allowed = ((bits[:, :, None] >> _SHIFTS) & 1).view(-1)[: self._vocab].nonzero()[:, 0].tolist()
+        return self._eos if allowed == [self._eos] else None
+
     def _forced(self, row: int) -> int | None:
         """The token the budget forces on ``row`` now (the next of its closing path), or None: the model picks."""
         if self._budget is None:
             return None
         generated = self._generated[row]
         left = self._budget - generated  # tokens the row may still generate, this one included
-        due = (generated and generated % REFRESH == 0) or left <= self._closing_length[row] + WATCH
+        due = generated - self._measured_at[row] >= REFRESH or left <= self._closing_length[row] + WATCH
         if not (due or self._closing[row]):
             return None
         path = self._closing_path(self._matchers[row].deep_copy(), left)
-        self._closing_length[row] = left if path is None else len(path)
+        self._closing_length[row], self._measured_at[row] = left if path is None else len(path), generated
         if not path or not (self._closing[row] or len(path) >= left - SLACK):
             return None
         self._closing[row] = True

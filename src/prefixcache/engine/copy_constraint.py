@@ -161,6 +161,14 @@ class CopyRows(ConstrainedRows):
         self._cursors[row].feed(self._table.token_bytes[token])
         return super().accept(row, token)
 
+    def next_forced(self, row: int) -> int | None:
+        """The schema's forced token (see the parent), unless it holds a ``"`` that would write a non-span copy value
+        (then None: the row's next step masks, and the copy mask decides)."""
+        token = super().next_forced(row)
+        if token is not None and token < len(self._table.quoted) and self._table.quoted[token]:
+            return token if self._token_copies(row, token) else None
+        return token
+
     def _row_spans(self, row: int) -> SourceSpans:
         if row not in self._spans:
             self._spans[row] = SourceSpans(self._texts[row], self._table)

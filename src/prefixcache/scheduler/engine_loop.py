@@ -14,6 +14,13 @@
    prompt is all fed picks its next token (its own sampling, constraint and stop strings) and finishes or
    stays running. A finished sequence gives its slot back at once.
 
+Fast-forward (``LoopConfig.fast_forward``, on by default): after a row picks a token, every token its grammar then
+forces (keys, separators, the rest of an enum value, the end token once its answer is complete:
+:meth:`~prefixcache.engine.constraint.ConstrainedRows.next_forced`) is appended at once and fed with its next
+step, so a step is taken only for a token the model chooses. A greedy row's answer is the one it gets a token a
+step (the forced token is the only one its masked logits allow); a sampling row draws only for the tokens it picks.
+Rows that record top log-probs take a step for every token (each step's alternatives are part of their answer).
+
 A sequence added between steps joins at the next one; one cancelled leaves at the next one, and its slot is
 freed. A waiting sequence is checked for cancellation again at the moment a step admits it (its admission is the
 start of its first step), so one cancelled from another thread while a step is being scheduled never takes a step. What a sequence gets does not depend on what shares its steps (invariant 5): rows never see each
@@ -43,7 +50,7 @@ from ..cache.kv import PrefixKV
 from ..cache.pool import PrefixPool
 from ..cache.slots import Feed, SlotStore
 from ..engine.generate import RowOutput
-from ..engine.sampling import TokenPicker, pick_each
+from ..engine.sampling import TokenLogprob, TokenPicker, pick_each
 from ..errors import BackendError, ConstraintError, PoolBudgetError, PrefixCacheError, SequenceTooLongError
 from .generation import GenerationBackend, TorchGeneration
 from .sequence import Generate, Sequence, Status, scorer_group
@@ -57,6 +64,7 @@ class LoopConfig:
     max_step_tokens: int = 2048
     max_seqs: int = 32
     slot_bytes: int = 512 * 2**20
+    fast_forward: bool = True  # append the tokens a row's grammar forces without a step of their own
 
     def __post_init__(self):
         if self.max_step_tokens < 1 or self.max_seqs < 1:
@@ -90,6 +98,7 @@ class LoopStats:
     passes: int = 0
     tokens_fed: int = 0
     tokens_generated: int = 0
+    tokens_forced: int = 0  # of those generated, appended by fast-forward (no step picked them)
 
 
 class EngineLoop:
@@ -308,21 +317,35 @@ class EngineLoop:
         return finished
 
     def _take_token(self, seq: Sequence, token: int, logprob) -> bool:
-        """Append ``token`` to ``seq`` (its stop strings, constraint and budget checked); True when it finished."""
+        """Append ``token`` to ``seq`` (its stop strings, constraint and budget checked), then every token its grammar
+        forces after it (fast-forward, see :meth:`_forced_next`); True when it finished."""
         want: Generate = seq.want
-        try:
-            on_token = None if seq.on_token is None else (lambda _row, tok: seq.on_token(seq, tok))
-            done = seq.output.add(token, logprob, self.tokenizer, want.config, on_token, 0, seq.rules)
-        except ConstraintError as exc:  # this row's grammar failed: it alone fails
-            self._finish(seq, Status.FAILED, error=str(exc))
-            return True
-        self.stats.tokens_generated += 1
-        if not seq.generated:
-            seq.first_token_at = time.perf_counter()
-        seq.generated.append(token)
-        if done:  # the generation carries the state at its last prompt token, as generate_rows' does
-            self._finish(seq, Status.FINISHED, result=replace(seq.output.generation, state=seq.prompt_state))
-        return done
+        on_token = None if seq.on_token is None else (lambda _row, tok: seq.on_token(seq, tok))
+        while token is not None:
+            try:
+                done = seq.output.add(token, logprob, self.tokenizer, want.config, on_token, 0, seq.rules)
+            except ConstraintError as exc:  # this row's grammar failed: it alone fails
+                self._finish(seq, Status.FAILED, error=str(exc))
+                return True
+            self.stats.tokens_generated += 1
+            if not seq.generated:
+                seq.first_token_at = time.perf_counter()
+            seq.generated.append(token)
+            if done:  # the generation carries the state at its last prompt token, as generate_rows' does
+                self._finish(seq, Status.FINISHED, result=replace(seq.output.generation, state=seq.prompt_state))
+                return True
+            token = self._forced_next(seq)
+            self.stats.tokens_forced += token is not None
+            logprob = None if token is None or seq.picker.sampling.top_logprobs is None else TokenLogprob(token, 0.0)
+        return False
+
+    def _forced_next(self, seq: Sequence) -> int | None:
+        """The token ``seq``'s grammar forces next (fast-forward: it is fed with the row's next step instead of
+        taking one), or None. Rows that record top log-probs (``top_logprobs`` above 0) are not fast-forwarded:
+        their steps' alternatives are part of their answer."""
+        if seq.rules is None or not self.config.fast_forward or seq.picker.sampling.top_logprobs:
+            return None
+        return seq.rules.next_forced(0)
 
     def _finish(self, seq: Sequence, status: Status, result=None, error: str | None = None,
                 failure: Exception | None = None) -> None:

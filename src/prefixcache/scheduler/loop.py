@@ -99,6 +99,7 @@ class BoundTask:
     stats_type: type[WindowStats] = WindowStats  # the counters a run of this task kind keeps
 
     continuous = True  # run windows through the engine loop; False: static batches (the path it replaced, to compare)
+    fast_forward = True  # the loop appends tokens a row's grammar forces without a step; False: a step each (to compare)
 
     def __init__(self, loaded: LoadedModel, task, pool: PrefixPool | None = None):
         self.loaded = loaded
@@ -221,7 +222,7 @@ class BoundTask:
         if not (self.continuous if continuous is None else continuous):
             return self._run_static(batches, stats, progress)
         size = max((len(batch) for _, batch in batches), default=1)
-        engine = EngineLoop(self.loaded.model, self.loaded.tokenizer, LoopConfig(CLI_STEP_TOKENS, size), self.pool,
+        engine = EngineLoop(self.loaded.model, self.loaded.tokenizer, LoopConfig(CLI_STEP_TOKENS, size, fast_forward=self.fast_forward), self.pool,
                             self.backend)
         done = (lambda seq: progress(1)) if progress else None
         seqs = self._sequences(batches, stats, done)
