@@ -77,6 +77,8 @@ def test_its_next_token_logits_follow_torchs_on_the_same_weights(loaded):
 
 @needs_llama
 def test_extracted_fields_agree_with_torch_float32_on_most_tickets(loaded):
+    """On all 600 bundled tickets about 9% of fields differ (``docs/bench/backend-agreement.json``); on these 16 the
+    bound leaves room for a sample's spread (a quarter), and still fails a backend that drifts from torch's."""
     task = load_any_task("ticket-fields")
     records = list(read_records(bundled_dataset(), id_field="id"))[:16]
     torch_side = Extractor(loaded, task).extract_all(records, RunConfig("batched", 8))
@@ -88,15 +90,15 @@ def test_extracted_fields_agree_with_torch_float32_on_most_tickets(loaded):
     for record_id, name, ours, theirs in differ:
         print(f"record {record_id}, {name}: torch {ours!r} / llama.cpp {theirs!r}")
     assert all(r.error is None for r in llama_side), [r.error for r in llama_side if r.error]
-    assert len(differ) <= 0.15 * len(pairs), f"{len(differ)} of {len(pairs)} fields differ"
+    assert len(differ) <= 0.25 * len(pairs), f"{len(differ)} of {len(pairs)} fields differ"
     assert not extractor.backend.reserved, "every row given back"
 
 
 @needs_llama
-def test_auto_keeps_a_tuned_prefix_and_field_heads_on_torch(loaded):
-    assert choose(loaded, "auto", needs_torch="a tuned prefix runs on torch").name == "torch"
-    with pytest.raises(BackendError, match="a tuned prefix runs on torch"):
-        choose(loaded, "llama.cpp", needs_torch="a tuned prefix runs on torch")
+def test_auto_keeps_rows_that_need_torch_on_torch(loaded):
+    assert choose(loaded, "auto", needs_torch="fitted field heads read the prompt state").name == "torch"
+    with pytest.raises(BackendError, match="fitted field heads read the prompt state"):
+        choose(loaded, "llama.cpp", needs_torch="fitted field heads read the prompt state")
 
 
 def test_without_the_build_the_reason_is_named():

@@ -93,7 +93,7 @@ def test_a_prefix_is_decoded_once_into_its_holder_and_shared_by_its_rows():
     seqs = [Sequence(PREFIXES[0], [7 + i, 9], Generate(CONFIG)) for i in range(6)]
     loop.run_until_done(seqs)
     loop.run_until_done(more := [Sequence(PREFIXES[0], [8], Generate(CONFIG))])  # a later run, same prefix
-    holder = backend.holders[PREFIXES[0].token_ids]
+    holder = backend.holders[PREFIXES[0].token_ids, None]  # no prefill: a holder is found by its tokens
     assert backend.llama.decoded[holder] == PREFIXES[0].length, "the prefix's tokens were decoded once, into it"
     own = sum(len(s.ids) + len(s.generated) - 1 for s in seqs + more)  # each row feeds all but its last token
     assert backend.tokens_decoded == PREFIXES[0].length + own, "rows decode only their own tokens"
@@ -106,7 +106,7 @@ def test_an_unread_holder_is_dropped_when_a_new_prefix_needs_its_cells():
     backend.give(0)
     second = Sequence(PREFIXES[1], [8, 9], Generate(GenerationConfig(4, (), ())))
     assert backend.take(second) == 0
-    assert list(backend.holders) == [PREFIXES[1].token_ids], "the first prefix's holder made room"
+    assert list(backend.holders) == [(PREFIXES[1].token_ids, None)], "the first prefix's holder made room"
     assert backend.cells_used == PREFIXES[1].length + second.own_tokens
 
 
@@ -155,7 +155,7 @@ def test_the_choice_names_why():
         choose(LOADED, "llama.cpp")
     with pytest.raises(BackendError, match="backend must be one of auto, torch, llama.cpp"):
         choose(LOADED, "ggml")
-    assert choose(LOADED, "auto", needs_torch="a tuned prefix runs on torch").why == "a tuned prefix runs on torch"
+    assert choose(LOADED, "auto", needs_torch="fitted field heads read the prompt state").why == "fitted field heads read the prompt state"
 
 
 def test_auto_follows_the_measured_rule(monkeypatch):

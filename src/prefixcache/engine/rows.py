@@ -148,10 +148,19 @@ def packed_states_at(
 
 def _packed_pass(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, Packing]:
     """Rows laid end to end after ``prefix`` in one pass: every token's hidden state ``[N, H]`` and the packing."""
+    hidden, packing, _ = packed_pass_kv(model, prefix, rows)
+    return hidden, packing
+
+
+def packed_pass_kv(model: torch.nn.Module, prefix: PrefixKV, rows: Sequence[Sequence[int]]):
+    """The packed pass of :func:`packed_last_states` (rows end to end after ``prefix``, under the caller's grad
+    mode), returning every token's hidden state ``[N, H]``, the packing, and the fork whose layers hold the rows' own
+    keys and values (``cache.layers[l].keys``: ``[1, kv_heads, N, head_dim]``, row after row)."""
     use_shared_prefix_attention(model)
     device = prefix.keys[0].device
     packing = Packing.of([len(r) for r in rows], device)
     ids = torch.tensor([token for row in rows for token in row], dtype=torch.long, device=device)[None]  # [1, N]
     positions = (prefix.length + packing.offsets)[None]  # [1, N]: each row counts on from the prefix
-    out = model.base_model(input_ids=ids, position_ids=positions, cache=prefix.fork(1, packing), use_cache=True)
-    return out.last_hidden_state[0], packing  # [N, H]
+    cache = prefix.fork(1, packing)
+    out = model.base_model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+    return out.last_hidden_state[0], packing, cache  # [N, H]

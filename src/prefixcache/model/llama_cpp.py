@@ -163,6 +163,37 @@ class LlamaCpp:
         if any(not 0 <= i < n for i in outputs) or list(outputs) != sorted(set(outputs)):
             raise BackendError("outputs must be ascending batch indexes")
 
+    @property
+    def rope_type(self) -> int:
+        """llama.cpp's RoPE kind for this model: 0 rotates adjacent pairs (a Llama ``.gguf``, whose converter
+        permuted the query/key rows of Hugging Face's half-split layout), 2 the half-split pairs (NeoX: Qwen, Gemma)."""
+        return int(self.lc.llama_model_rope_type(self._model))
+
+    def sequence_state(self, seq: int) -> bytes:
+        """Sequence ``seq``'s cells as bytes (:mod:`prefixcache.model.llama_state` reads them).
+
+        Raises:
+            BackendError: llama.cpp could not write them.
+        """
+        self._check_seq(seq)
+        size = self.lc.llama_state_seq_get_size(self._ctx, seq)
+        buffer = (ctypes.c_ubyte * max(size, 1))()
+        if size == 0 or self.lc.llama_state_seq_get_data(self._ctx, buffer, size, seq) != size:
+            raise BackendError(f"llama.cpp could not write the state of sequence {seq}")
+        return bytes(buffer)
+
+    def set_sequence_state(self, seq: int, data: bytes) -> None:
+        """Replace sequence ``seq``'s cells with those in ``data`` (its old cells freed first, as llama.cpp does).
+
+        Raises:
+            BackendError: llama.cpp refused the bytes (another layout, or no free cells); ``seq`` then holds none.
+        """
+        self._check_seq(seq)
+        buffer = (ctypes.c_ubyte * len(data)).from_buffer_copy(data)
+        if self.lc.llama_state_seq_set_data(self._ctx, buffer, len(data), seq) == 0:
+            raise BackendError(f"llama.cpp refused a state of {len(data)} bytes for sequence {seq} (another layout, "
+                               "or no free cells)")
+
     def copy_sequence(self, source: int, target: int) -> None:
         """``target`` reads every cell of ``source`` (shared, not copied: the buffer is unified)."""
         self._check_seq(source, target)

@@ -27,6 +27,7 @@ from ..model.llama_cpp import ContextShape, LlamaCpp, llama_cpp_problem
 from ..model.load import EMBEDDED, LoadedModel, cpu_has_fast_bf16, embedded_gguf
 from ..types import BACKENDS
 from .llama_generation import LlamaGeneration
+from .torch_prefill import TorchPrefill
 
 LLAMA_CELLS = 8192  # key/value cells of a llama.cpp context (every row and prefix together)
 LLAMA_HOLDERS = 4  # prefixes a llama.cpp context keeps decoded at once
@@ -89,15 +90,28 @@ def _llama_problem(loaded: LoadedModel) -> str | None:
     return llama_cpp_problem(str(gguf), 1)
 
 
-def llama_generation(loaded: LoadedModel, rows: int, cells: int = LLAMA_CELLS) -> LlamaGeneration:
+def llama_generation(loaded: LoadedModel, rows: int, cells: int = LLAMA_CELLS,
+                     torch_prefill: bool = True) -> LlamaGeneration:
     """A llama.cpp backend over ``loaded``'s ``.gguf``: ``rows`` rows and LLAMA_HOLDERS prefix holders in one
-    context of ``cells`` cells (at most the model's context per row), on torch's thread count."""
+    context of ``cells`` cells (at most the model's context per row), on torch's thread count. With
+    ``torch_prefill`` (and a model whose cells :class:`~prefixcache.scheduler.torch_prefill.TorchPrefill` can
+    write), prefixes are computed on torch and placed in llama.cpp's cells (so a tuned prefix runs there too), and
+    so are rows' prompts where torch computes them the faster: with bfloat16 weights (measured in
+    ``docs/benchmarks.md``, "Generation backends"; with float32 weights llama.cpp's own prefill of one record is the
+    faster)."""
     gguf = gguf_of(loaded)
     if gguf is None:
         raise BackendError(f"the llama.cpp backend reads a .gguf model; use {setting('backend', 'torch')}")
     rows = max(1, min(rows, 256 - LLAMA_HOLDERS))
     shape = ContextShape(cells, rows + LLAMA_HOLDERS, min(cells, 2048), torch.get_num_threads())
-    return LlamaGeneration(LlamaCpp(gguf, shape), rows)
+    llama = LlamaCpp(gguf, shape)
+    prefill = None
+    if torch_prefill:
+        try:
+            prefill = TorchPrefill(loaded.model, llama, shape.sequences - 1)
+        except BackendError:  # cells it cannot write: llama.cpp decodes the prompts itself
+            prefill = None
+    return LlamaGeneration(llama, rows, prefill, prompts_on_torch=loaded.dtype == torch.bfloat16)
 
 
 def context_bytes(loaded: LoadedModel, cells: int = LLAMA_CELLS) -> int:

@@ -37,6 +37,7 @@ from ..engine.constraint import grammar_tokenizer, json_constraint
 from ..engine.copy_constraint import CopyConstraint, token_table
 from ..engine.generate import Decoding, Generation, GenerationConfig, eos_ids_of, generate_rows
 from ..engine.sampling import Sampling
+from ..errors import BackendError, setting
 from ..model.load import LoadedModel
 from ..task.answer import answer_schema, parse_fields
 from ..model.context_window import context_limit
@@ -158,10 +159,9 @@ class Extractor(BoundTask):
         return generations
 
     def needs_torch(self) -> str | None:
-        """Why this extractor's generating rows must run on torch, or None: a tuned prefix has no tokens to decode
-        elsewhere, and fitted field heads read the prompt's final-layer state."""
-        if self.tuned is not None:
-            return "a tuned prefix runs on torch"
+        """Why this extractor's generating rows must run on torch, or None: fitted field heads read the prompt's
+        final-layer state. (A tuned prefix runs on llama.cpp too, placed from its keys and values: see
+        :meth:`use_backend`.)"""
         if self.policy.heads:
             return "fitted field heads read the prompt's final-layer state, which torch gives"
         return None
@@ -173,10 +173,16 @@ class Extractor(BoundTask):
         Raises:
             BackendError: ``llama.cpp`` asked for where it cannot run (the reason named).
         """
-        from .backend_choice import choose, llama_generation
+        from .backend_choice import BackendChoice, choose, llama_generation
 
         chosen = choose(self.loaded, asked, self.needs_torch(), rows)
         self.backend = llama_generation(self.loaded, rows) if chosen.name == "llama.cpp" else None
+        if self.backend is not None and self.tuned is not None and self.backend.prefill is None:
+            why = "a tuned prefix is placed in llama.cpp's cells from torch's, and this model's cells cannot be written"
+            self.backend = None
+            if asked == "llama.cpp":
+                raise BackendError(f"the llama.cpp backend cannot run this: {why}; use {setting('backend', 'torch')}")
+            chosen = BackendChoice("torch", why)
         return chosen
 
     def source_text(self, record: Record) -> str:
