@@ -107,3 +107,39 @@ def test_without_the_build_the_reason_is_named():
     else:
         with pytest.raises(BackendError, match="cannot run this"):
             choose(load_model("smollm2-135m", dtype="float32", threads=1), "llama.cpp")
+
+
+@needs_llama
+def test_on_llama_cpp_a_cancelled_row_leaves_at_the_next_step_and_clients_take_turns(loaded):
+    """Cancellation and fairness are the engine loop's, whatever runs the rows: on llama.cpp a row cancelled mid-answer
+    leaves at the next step with its cells given back, the row beside it finishes its answer (llama.cpp's sums are not
+    batch-invariant, so not bit for bit what it gets alone), and a client with one request is admitted before a
+    flooding client's second."""
+    from prefixcache.engine.generate import GenerationConfig, eos_ids_of
+    from prefixcache.scheduler.engine_loop import EngineLoop, LoopConfig
+    from prefixcache.scheduler.sequence import Generate, Sequence, Status
+
+    prefix = PrefixKV.build(loaded.model, loaded.tokenizer("<|im_start|>user\n")["input_ids"])
+    want = Generate(GenerationConfig(12, (), eos_ids_of(loaded.model, loaded.tokenizer)))
+    ids = loaded.tokenizer("Tell me a story about a router.<|im_end|>\n")["input_ids"]
+
+    def loop(max_seqs: int) -> EngineLoop:
+        return EngineLoop(loaded.model, loaded.tokenizer, LoopConfig(256, max_seqs),
+                          generation=llama_generation(loaded, 2, cells=512))
+
+    engine = loop(2)
+    kept, dropped = Sequence(prefix, ids, want, client="a"), Sequence(prefix, ids, want, client="b")
+    engine.add(kept)
+    engine.add(dropped)
+    engine.step()
+    engine.step()
+    dropped.cancel()
+    left = engine.step()
+    assert dropped in left and dropped.status == Status.CANCELLED and len(engine.generation.reserved) == 1
+    engine.run_until_done()
+    assert kept.status == Status.FINISHED and kept.result.token_ids and not engine.generation.reserved
+    engine, admitted = loop(1), []
+    flood = [Sequence(prefix, ids, want, client="flood", on_finish=admitted.append) for _ in range(3)]
+    single = Sequence(prefix, ids, want, client="single", on_finish=admitted.append)
+    engine.run_until_done(flood + [single])
+    assert admitted.index(single) == 1, "the single client's request runs second, not after the flood"

@@ -73,3 +73,20 @@ def test_the_llama_cpp_context_caps_what_one_request_may_hold():
     model = tiny_loaded("llama").model
     assert KVRoom(model, 2**30).most_tokens > 1000
     assert KVRoom(model, 2**30, token_cap=1000).most_tokens == 1000, "the context's cells bound a request"
+
+
+def test_hostile_requests_are_refused_before_they_reach_llama_cpp(served):
+    """The hostile-request checks sit before the backend: on llama.cpp too a body nested past the parser's depth and a
+    schema with no finite answer are 400s in OpenAI's shape, the server answers the next chat, and no row is held."""
+    body = ('{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "stop": '
+            + "[" * 995 + '"x"' + "]" * 995 + "}")
+    nested = served.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert nested.status_code == 400 and "nested deeper" in nested.json()["error"]["message"], nested.text
+    endless = served.post("/v1/chat/completions", json={
+        "model": "smollm2-135m", "max_tokens": 40, "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}})
+    assert endless.status_code == 400 and endless.json()["error"]["param"] == "response_format", endless.text
+    fine = served.post("/v1/chat/completions", json={
+        "model": "smollm2-135m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    assert fine.status_code == 200, fine.text
+    assert not served.app.state.service.engine.engine.generation.reserved
