@@ -111,3 +111,29 @@ def test_a_tuned_prefix_runs_on_llama_cpp_with_torchs_logits_within_tolerance(lo
     assert _close(ours, reference)
     gap, error = (reference - untuned).abs().max(), (ours[:vocab] - reference[:vocab]).abs().max()
     assert error < gap / 4, f"llama.cpp's logits are {error:.2f} from torch's over the tuned prefix, which moved them {gap:.2f}"
+
+
+def test_rows_prefilled_on_torch_carry_the_state_a_fitted_head_reads(loaded):
+    """With ``states`` set (fitted field heads), a row's prompt runs on torch whatever its length: its output carries
+    torch's final-layer state at the last prompt token, the one torch's own generation gives, and its logits."""
+    from prefixcache.cache.slots import Feed
+    from prefixcache.engine.generate import GenerationConfig
+    from prefixcache.engine.rows import packed_last_states
+    from prefixcache.scheduler.backend_choice import llama_generation
+    from prefixcache.scheduler.sequence import Generate, Sequence
+
+    backend = llama_generation(loaded, 2, cells=512)
+    prefix, tail = PrefixKV.build(loaded.model, _ids(loaded, PROMPT)), _ids(loaded, SUFFIX)[:5]
+    row = backend.take(Sequence(prefix, tail, Generate(GenerationConfig(4))))
+    plain = backend.feed(prefix, [Feed(row, 0, tuple(tail))])[0]
+    assert backend.state(plain) is None, "a short prompt decoded by llama.cpp has no state"
+    backend.give(row)
+    backend.states = True
+    row = backend.take(Sequence(prefix, tail, Generate(GenerationConfig(4))))
+    output = backend.feed(prefix, [Feed(row, 0, tuple(tail))])[0]
+    with torch.inference_mode():
+        expected = packed_last_states(loaded.model, prefix, [tail])[0]  # [H]
+    torch.testing.assert_close(backend.state(output), expected, rtol=1e-5, atol=1e-5)
+    assert _close(backend.logits([output])[0], _torch_logits(loaded, prefix, tail))
+    assert backend.tokens_prefilled == len(tail)
+    backend.give(row)

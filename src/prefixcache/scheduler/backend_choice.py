@@ -52,7 +52,7 @@ def gguf_of(loaded: LoadedModel) -> Path | None:
 
 def choose(loaded: LoadedModel, asked: str, needs_torch: str | None = None, rows: int = 1) -> BackendChoice:
     """The backend for ``loaded``'s generating rows, up to ``rows`` at once (see the module docstring).
-    ``needs_torch``: why this task's rows must run on torch (a tuned prefix, say), or None.
+    ``needs_torch``: why this task's rows must run on torch (something only torch gives them), or None.
 
     Raises:
         BackendError: ``asked`` is not one of BACKENDS, or ``llama.cpp`` was asked for where it cannot run.

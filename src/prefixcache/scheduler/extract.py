@@ -158,31 +158,31 @@ class Extractor(BoundTask):
         stats.first_token_s += [timing.first_token_s] * len(batch)
         return generations
 
-    def needs_torch(self) -> str | None:
-        """Why this extractor's generating rows must run on torch, or None: fitted field heads read the prompt's
-        final-layer state. (A tuned prefix runs on llama.cpp too, placed from its keys and values: see
-        :meth:`use_backend`.)"""
-        if self.policy.heads:
-            return "fitted field heads read the prompt's final-layer state, which torch gives"
-        return None
-
     def use_backend(self, asked: str, rows: int = 32):
         """Run the generating rows (up to ``rows`` at once) on the backend ``asked`` chooses (``auto``, ``torch`` or
         ``llama.cpp``: :mod:`~prefixcache.scheduler.backend_choice`); returns the choice (its name and why).
+
+        On llama.cpp a tuned prefix is placed in its cells from torch's, and with fitted field heads every row's
+        prompt is computed on torch (their state); where the model's cells cannot be written that way, the rows stay
+        on torch (``auto``) or the backend is refused (``llama.cpp``).
 
         Raises:
             BackendError: ``llama.cpp`` asked for where it cannot run (the reason named).
         """
         from .backend_choice import BackendChoice, choose, llama_generation
 
-        chosen = choose(self.loaded, asked, self.needs_torch(), rows)
+        chosen = choose(self.loaded, asked, None, rows)
         self.backend = llama_generation(self.loaded, rows) if chosen.name == "llama.cpp" else None
-        if self.backend is not None and self.tuned is not None and self.backend.prefill is None:
-            why = "a tuned prefix is placed in llama.cpp's cells from torch's, and this model's cells cannot be written"
+        needs = [why for why, needed in [("a tuned prefix", self.tuned is not None),
+                                         ("fitted field heads' states", bool(self.policy.heads))] if needed]
+        if self.backend is not None and needs and self.backend.prefill is None:
+            why = f"{' and '.join(needs)} come from torch, and this model's llama.cpp cells cannot be written from it"
             self.backend = None
             if asked == "llama.cpp":
                 raise BackendError(f"the llama.cpp backend cannot run this: {why}; use {setting('backend', 'torch')}")
-            chosen = BackendChoice("torch", why)
+            return BackendChoice("torch", why)
+        if self.backend is not None:
+            self.backend.states = bool(self.policy.heads)
         return chosen
 
     def source_text(self, record: Record) -> str:

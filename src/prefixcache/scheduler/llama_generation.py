@@ -22,8 +22,9 @@ prefix (keys and values that are not its tokens') runs here as it does on torch,
 prefix's tensors, not only its tokens. With ``prompts_on_torch`` new rows' prompt tokens are computed on torch too
 (see :meth:`LlamaGeneration.feed`).
 
-What it cannot do: its rows have no final-layer state for a fitted head (:meth:`LlamaGeneration.state` is None);
-callers choose torch for those (:mod:`prefixcache.scheduler.backend_choice`). Results are not batch-invariant
+A row's final-layer state at its last prompt token (what a fitted field head reads) exists where torch computed its
+prompt; a caller that needs every row's sets ``states`` (:meth:`~prefixcache.scheduler.extract.Extractor.use_backend`
+does, for fitted field heads). Without a prefill there is none (:meth:`LlamaGeneration.state` is None). Results are not batch-invariant
 (llama.cpp's kernels quantize activations per block): its agreement with torch is measured, not proved.
 """
 
@@ -41,7 +42,7 @@ from ..cache.slots import Feed
 from ..errors import SequenceTooLongError
 from ..model.llama_cpp import LlamaCpp
 from .sequence import Sequence
-from .torch_prefill import TorchPrefill
+from .torch_prefill import Prefilled, TorchPrefill
 
 HolderKey = tuple  # (prefix token ids, the prefix's identity or None): see LlamaGeneration._key
 PREFILL_TOKENS = 16  # new rows' tokens in one step from which they run on torch (with a prefill; see feed)
@@ -57,6 +58,7 @@ class LlamaGeneration:
             raise ValueError(f"rows must leave at least one holder id of {llama.shape.sequences}: {rows}")
         self.llama, self.rows, self.prefill = llama, rows, prefill
         self.prompts_on_torch = prompts_on_torch and prefill is not None
+        self.states = False  # every row's prompt on torch, whatever its length, for its state (set by a caller)
         self.holders: OrderedDict[HolderKey, int] = OrderedDict()  # a prefix's key -> its holder id, oldest first
         self._alive: dict[HolderKey, weakref.ref] = {}  # (with a prefill) the held prefix's first key tensor
         self.readers: dict[int, int] = {}  # holder id -> rows reading it
@@ -156,10 +158,11 @@ class LlamaGeneration:
         for feed in feeds:
             if feed.slot not in self.reserved:
                 raise ValueError(f"row {feed.slot} is not taken")
-        first = [i for i, feed in enumerate(feeds) if feed.start == 0] if self.prompts_on_torch else []
-        if sum(len(feeds[i].ids) for i in first) < PREFILL_TOKENS:
+        torch_prompts = self.prefill is not None and (self.prompts_on_torch or self.states)
+        first = [i for i, feed in enumerate(feeds) if feed.start == 0] if torch_prompts else []
+        if sum(len(feeds[i].ids) for i in first) < PREFILL_TOKENS and not self.states:
             first = []
-        out: dict[int, torch.Tensor] = {}
+        out: dict[int, torch.Tensor | Prefilled] = {}
         if first:
             slots = [feeds[i].slot for i in first]
             logits = self.prefill.rows(prefix, slots, [feeds[i].ids for i in first], self.llama.vocab)
@@ -196,12 +199,14 @@ class LlamaGeneration:
         self.tokens_decoded += len(tokens)
         return np.concatenate(parts) if parts else np.zeros((0, self.llama.vocab), dtype=np.float32)
 
-    def logits(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+    def logits(self, outputs: list) -> torch.Tensor:
         """The rows' logits ``[b, V]`` (already computed by :meth:`feed`)."""
-        return torch.stack(outputs) if outputs else torch.empty(0)
+        rows = [out.logits if isinstance(out, Prefilled) else out for out in outputs]
+        return torch.stack(rows) if rows else torch.empty(0)
 
-    def state(self, output) -> None:
-        return None  # llama.cpp's rows carry no final-layer state here (see the module docstring)
+    def state(self, output) -> torch.Tensor | None:
+        """The final layer's state ``[H]`` at a row's last prompt token where torch computed its prompt, else None."""
+        return output.state if isinstance(output, Prefilled) else None
 
     def give(self, slot: int) -> None:
         """Row ``slot`` back: its cells freed (its prefix's stay with the holder), its reservation dropped."""

@@ -21,7 +21,7 @@ llama.cpp's kernels; agreement with torch alone is measured (``studies/backend_a
 
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from typing import NamedTuple, Sequence as Seq
 
 import numpy as np
 import torch
@@ -33,6 +33,14 @@ from ..model.llama_cpp import LlamaCpp
 from ..model.llama_state import StateLayout, read_state, write_state
 
 ROPE_PAIRS = {0: True, 2: False}  # llama.cpp's RoPE type -> whether torch's half-split keys are re-interleaved
+
+
+class Prefilled(NamedTuple):
+    """One row's output from torch's prefill: next-token ``logits [V]`` and the final layer's ``state [H]`` at its
+    last prompt token (what a fitted head reads)."""
+
+    logits: torch.Tensor
+    state: torch.Tensor
 
 
 def layout_of(llama: LlamaCpp, scratch: int) -> StateLayout:
@@ -79,21 +87,22 @@ class TorchPrefill:
         """Sequence ``seq`` holds ``prefix``'s keys and values at positions ``0 .. P-1``."""
         self.place(seq, 0, [k[0] for k in prefix.keys], [v[0] for v in prefix.values])
 
-    def rows(self, prefix: PrefixKV, seqs: Seq[int], rows: Seq[Seq[int]], vocab: int) -> list[torch.Tensor]:
+    def rows(self, prefix: PrefixKV, seqs: Seq[int], rows: Seq[Seq[int]], vocab: int) -> list[Prefilled]:
         """Run ``rows`` (each a row's first tokens) after ``prefix`` in one packed torch pass, place each row's keys and
         values into llama.cpp sequence ``seqs[i]`` (positions ``P ..``; its prefix cells are copied in by the
-        caller after), and return each row's next-token logits ``[vocab]`` (float32; torch's head, cut or padded to
-        llama.cpp's vocabulary with ``-inf``)."""
+        caller after), and return each row's :class:`Prefilled`: its next-token logits ``[vocab]`` (float32; torch's
+        head, cut or padded to llama.cpp's vocabulary with ``-inf``) and its final-layer state at its last token."""
         with torch.inference_mode():
             hidden, packing, cache = packed_pass_kv(self.model, prefix, rows)  # [N, H]
-            logits = self.model.get_output_embeddings()(hidden[packing.last]).float()  # [B, V_torch]
+            last = hidden[packing.last]  # [B, H]
+            logits = self.model.get_output_embeddings()(last).float()  # [B, V_torch]
             start = 0
             for seq, length in zip(seqs, packing.lengths):
                 span = slice(start, start + length)
                 self.place(seq, prefix.length, [layer.keys[0, :, span] for layer in cache.layers],
                            [layer.values[0, :, span] for layer in cache.layers])
                 start += length
-        return list(_fit(logits, vocab))
+        return [Prefilled(row, state) for row, state in zip(_fit(logits, vocab), last)]
 
     @staticmethod
     def _cells(tensor: torch.Tensor, rotate: bool) -> np.ndarray:
