@@ -204,10 +204,11 @@ def measure(args, loaded, task, fit_rows: list[dict], scored_rows: list[dict]) -
     return results, len(own.prompt.prefix_ids)
 
 
-def write(args, document: dict, results: dict) -> None:
+def write(args, document: dict, results: dict, head: str) -> None:
     """Write ``document`` with ``results`` to ``args.json``: as it is when every method ran; with ``--only``, the
     rows merged into the existing file (a row of the same name replaced, the others kept), each carrying this
-    run's ``run`` record. Refuses a file of another data set, split, model or seed."""
+    run's ``run`` record (``head``: the commit checked out when the run started). Refuses a file of another data
+    set, split, model or seed."""
     if set(args.only) == set(METHODS) or not args.json.exists():
         document["results"] = results
         args.json.write_text(json.dumps(document, indent=1))
@@ -216,7 +217,7 @@ def write(args, document: dict, results: dict) -> None:
     differ = [k for k in SAME_SPLIT if existing.get(k) != document[k]]
     if differ:
         raise SystemExit(f"{args.json} was measured on another {', '.join(differ)}; write another file")
-    run = {"commit": commit(), "date": datetime.date.today().isoformat(), "machine": document["machine"],
+    run = {"commit": head, "date": datetime.date.today().isoformat(), "machine": document["machine"],
            "fit_ids_sha256": document["fit_ids_sha256"], "scored_ids_sha256": document["scored_ids_sha256"]}
     existing["results"] = existing["results"] | {name: row | {"run": run} for name, row in results.items()}
     args.json.write_text(json.dumps(existing, indent=1))
@@ -240,6 +241,7 @@ def main() -> None:
 
     from prefixcache.cli.loading import open_model
 
+    head = commit()  # read now: other commits may land while the run goes on
     loaded = open_model("smollm2-135m", args.dtype, args.threads)
     task = data_task(args.data)
     fit_rows, scored_rows = split(args, task)
@@ -249,7 +251,7 @@ def main() -> None:
                 "seed": args.seed, "fit_ids_sha256": ids_hash(fit_rows), "scored_ids_sha256": ids_hash(scored_rows),
                 "machine": machine_info(str(loaded.dtype).removeprefix("torch."), args.threads),
                 "command": " ".join(sys.argv)}
-    write(args, document, results)
+    write(args, document, results, head)
     for name, row in results.items():
         print(f"{name:28s} accuracy {row['accuracy']:.1%}  ECE {row['ece']:.1%}  fit {row['fit_seconds']:.0f} s  "
               f"{row['ms_per_record']:.1f} ms/record")

@@ -144,6 +144,24 @@ def test_the_demo_table_shows_each_timed_mode_and_the_heads_figures():
     assert "bfloat16: 52.3%" in table and "prompt 50.0% -> head 97.0%" in table and "2-core AMD EPYC, AVX2 only" in table
 
 
+def test_the_tuning_table_names_a_later_runs_rows_in_its_caption():
+    figures = lambda acc, seconds: {"accuracy": acc, "ece": 0.05, "fit_seconds": seconds, "ms_per_record": 40.0}  # noqa: E731
+    machine = {"cpu": "AMD EPYC", "cores": 2, "flags": ["avx2"], "dtype": "float32", "threads": 2, "command": "study tickets"}
+    run = {"commit": "abc1234", "date": "2026-12-07",
+           "machine": {**machine, "threads": 1, "load_average": [2.0, 2.5, 3.0], "command": "study tickets --only lora"}}
+    doc = {"machine": machine, "model": "m", "data": "tickets", "fit_rows": 600, "scored_rows": 75, "prompt_tokens": 609,
+           "results": {"prompt alone": figures(0.5, 0.0), "linear head": figures(0.96, 37.0),
+                       "LoRA (record tokens)": figures(0.9, 600.0) | {"run": run},
+                       "LoRA (record tokens) + head": figures(0.95, 660.0) | {"run": run}}}
+    table = tables.tuning_table([doc])
+    assert "| tickets (600 fitted -> 75 scored, 609-token prompt) | prompt alone | 50.0% | 5.0% | – | 40.0 |" in table
+    assert "| LoRA (record tokens) | 90.0% | 5.0% | 10 min | 40.0 |" in table
+    assert ("measured by a later run: tickets, LoRA (record tokens) and LoRA (record tokens) + head: commit abc1234, "
+            "2026-12-07, 1 torch thread(s), load average 2.5 over the last 5 minutes when written, "
+            "`study tickets --only lora`") in table
+    assert table.count("commit abc1234") == 1 and "the commands: `study tickets`" in table
+
+
 def test_the_curves_table_shows_each_method_at_each_point_and_why_one_is_absent():
     figures = lambda acc, seconds: {"accuracy": acc, "ece": 0.05, "fit_seconds": seconds, "ms_per_record": 40.0}
     doc = {"machine": {"cpu": "AMD EPYC", "cores": 2, "flags": ["avx2"], "dtype": "float32", "threads": 1}, "model": "m",

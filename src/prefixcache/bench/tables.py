@@ -217,19 +217,35 @@ def accuracy_table(docs: list[dict]) -> str:
 
 
 def tuning_table(docs: list[dict]) -> str:
-    """``studies/tuning_study.py`` runs: per data set, the prompt alone, a linear head, a tuned prefix and a tuned
-    prefix with a head refitted on its states, on rows held out of every fit."""
-    rows = []
+    """``studies/tuning_study.py`` runs: per data set, the prompt alone, a linear head, a tuned prefix, a tuned
+    prefix with a head refitted on its states and LoRA on the weights, on rows held out of every fit. A row that
+    carries its own ``run`` (``--only``: measured by a later run, merged into the file) is named in the caption with
+    that run's commit, date, threads, load and command."""
+    rows, later = [], {}
     for doc in docs:
         where = f"{doc['data']} ({doc['fit_rows']} fitted -> {doc['scored_rows']} scored, {doc['prompt_tokens']}-token prompt)"
         for name, row in doc["results"].items():
             rows.append([where, name, f"{100 * row['accuracy']:.1f}%", f"{100 * row['ece']:.1f}%",
                          duration(row["fit_seconds"]) if row["fit_seconds"] else "–", ms(row["ms_per_record"])])
+            if row.get("run"):
+                later.setdefault((doc["data"], json.dumps(row["run"], sort_keys=True)), []).append(name)
     commands = ", ".join(f"`{d['machine']['command']}`" for d in docs if d.get("machine", {}).get("command"))
     bare = {**docs[0], "machine": {k: v for k, v in docs[0].get("machine", {}).items() if k != "command"}}
     facts = f"{docs[0]['model']}, run dtype {docs[0]['machine'].get('dtype')}; the commands: {commands}"
+    if later:
+        facts += "; measured by a later run: " + "; ".join(
+            later_run(data, names, json.loads(run)) for (data, run), names in later.items())
     return md_table(["data", "method", "accuracy", "calibration error", "fit", "ms / record (batched)"], rows) + \
         caption(bare, facts)
+
+
+def later_run(data: str, methods: list[str], run: dict) -> str:
+    """One later run of :func:`tuning_table`'s caption: its rows, commit, date, torch threads, load, command."""
+    machine = run.get("machine", {})
+    load = machine.get("load_average")
+    where = f", load average {load[1]:g} over the last 5 minutes when written" if load else ""
+    return (f"{data}, {' and '.join(methods)}: commit {run.get('commit', '?')}, {run.get('date', '?')}, "
+            f"{machine.get('threads', '?')} torch thread(s){where}, `{machine.get('command', '?')}`")
 
 
 CURVE_METHODS = ("prompt alone", "linear head", "tuned prefix", "tuned prefix + head")
