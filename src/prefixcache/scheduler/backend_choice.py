@@ -24,6 +24,7 @@ from ..cache.kv import KVShape
 from ..cache.pool import PrefixPool
 from ..errors import BackendError, setting
 from ..model.llama_cpp import ContextShape, LlamaCpp, llama_cpp_problem
+from ..model.requantize import requantized
 from ..model.load import EMBEDDED, LoadedModel, cpu_has_fast_bf16, embedded_gguf
 from ..types import BACKENDS
 from .llama_generation import LlamaGeneration
@@ -32,6 +33,7 @@ from .torch_prefill import TorchPrefill
 LLAMA_CELLS = 8192  # key/value cells of a llama.cpp context (every row and prefix together)
 LLAMA_HOLDERS = 4  # prefixes a llama.cpp context keeps decoded at once
 LLAMA_OWNER = "llama.cpp context"  # its reservation's name in a prefix pool
+LLAMA_WEIGHTS = "q8_0"  # the blocks llama.cpp's rows read: its repacked Q4_0 kernels measured fastest (see requantize)
 BF16_LLAMA_ROWS = 1  # at most this many rows at once, llama.cpp out-generates torch's bfloat16 (measured: B=1, B=32)
 
 
@@ -90,10 +92,12 @@ def _llama_problem(loaded: LoadedModel) -> str | None:
     return llama_cpp_problem(str(gguf), 1)
 
 
-def llama_generation(loaded: LoadedModel, rows: int, cells: int = LLAMA_CELLS,
-                     torch_prefill: bool = True) -> LlamaGeneration:
+def llama_generation(loaded: LoadedModel, rows: int, cells: int = LLAMA_CELLS, torch_prefill: bool = True,
+                     weights: str = LLAMA_WEIGHTS) -> LlamaGeneration:
     """A llama.cpp backend over ``loaded``'s ``.gguf``: ``rows`` rows and LLAMA_HOLDERS prefix holders in one
-    context of ``cells`` cells (at most the model's context per row), on torch's thread count. With
+    context of ``cells`` cells (at most the model's context per row), on torch's thread count, reading ``weights``
+    blocks (:func:`~prefixcache.model.requantize.requantized`: the ``.gguf`` requantized once and kept, or ``own``).
+    With
     ``torch_prefill`` (and a model whose cells :class:`~prefixcache.scheduler.torch_prefill.TorchPrefill` can
     write), prefixes are computed on torch and placed in llama.cpp's cells (so a tuned prefix runs there too), and
     so are rows' prompts where torch computes them the faster: with bfloat16 weights (measured in
@@ -104,7 +108,7 @@ def llama_generation(loaded: LoadedModel, rows: int, cells: int = LLAMA_CELLS,
         raise BackendError(f"the llama.cpp backend reads a .gguf model; use {setting('backend', 'torch')}")
     rows = max(1, min(rows, 256 - LLAMA_HOLDERS))
     shape = ContextShape(cells, rows + LLAMA_HOLDERS, min(cells, 2048), torch.get_num_threads())
-    llama = LlamaCpp(gguf, shape)
+    llama = LlamaCpp(requantized(gguf, weights), shape)
     prefill = None
     if torch_prefill:
         try:
