@@ -137,3 +137,17 @@ def test_rows_prefilled_on_torch_carry_the_state_a_fitted_head_reads(loaded):
     assert _close(backend.logits([output])[0], _torch_logits(loaded, prefix, tail))
     assert backend.tokens_prefilled == len(tail)
     backend.give(row)
+
+
+def test_a_requantized_gguf_is_made_once_and_its_type_is_the_one_asked_for(tmp_path):
+    from prefixcache.model.requantize import FILE_TYPES, OWN, file_type, requantized
+
+    source = embedded_gguf("smollm2-135m")
+    assert requantized(source, OWN, tmp_path) == source and not list(tmp_path.iterdir())
+    made = requantized(source, "q8_0", tmp_path)
+    assert made.parent == tmp_path and file_type(made) == FILE_TYPES["q8_0"] != file_type(source)
+    stamp = made.stat().st_mtime_ns
+    assert requantized(source, "q8_0", tmp_path) == made and made.stat().st_mtime_ns == stamp, "made once, then kept"
+    assert requantized(made, "q8_0", tmp_path) == made, "a file already of that type is used as it is"
+    with pytest.raises(BackendError, match="must be 'own' or one of q4_0, q8_0"):
+        requantized(source, "q2_k", tmp_path)

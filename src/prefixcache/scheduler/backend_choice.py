@@ -33,7 +33,8 @@ from .torch_prefill import TorchPrefill
 LLAMA_CELLS = 8192  # key/value cells of a llama.cpp context (every row and prefix together)
 LLAMA_HOLDERS = 4  # prefixes a llama.cpp context keeps decoded at once
 LLAMA_OWNER = "llama.cpp context"  # its reservation's name in a prefix pool
-LLAMA_WEIGHTS = "q8_0"  # the blocks llama.cpp's rows read: its repacked Q4_0 kernels measured fastest (see requantize)
+LLAMA_WEIGHTS = "own"  # the blocks llama.cpp's rows read: the .gguf's own (requantized ones measured faster and
+# further from torch's answers: studies/llama_weights.py, docs/benchmarks.md "Generation backends")
 BF16_LLAMA_ROWS = 1  # at most this many rows at once, llama.cpp out-generates torch's bfloat16 (measured: B=1, B=32)
 
 
