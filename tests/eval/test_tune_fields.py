@@ -1,7 +1,8 @@
 """Prefix tuning for an extraction task on tiny random models: the training loss falls and the held-out answers'
 teacher-forced loss beats the untuned prompt's, the head file round-trips bit for bit, a tuned prefix for another
 model, prompt or field set is refused, extraction after it one record per pass equals batched, and the CLI path
-(`fit --task T --tune prefix`, `extract --head FILE`, `eval --head FILE`) takes it."""
+(`fit --task T --tune prefix`, `extract --head FILE`, `eval --head FILE`) takes it, beside a copy field's presence
+head (`eval --head FILE --field-head order_id=FILE`), which reads the state after the tuned prefix."""
 
 from __future__ import annotations
 
@@ -158,7 +159,49 @@ def test_the_cli_fits_extracts_and_evaluates_with_the_tuned_prefix(tmp_path_fact
     scored = runner.invoke(app, ["eval", str(held), *common, "--head", str(head), "--json"], catch_exceptions=False)
     assert scored.exit_code == 0, scored.output
     assert json.loads(scored.stdout.splitlines()[-1])["tuned"]["prefix_tokens"] == load_head(head).prefix.length
+    presence = tmp_path / "order_id.safetensors"
+    fitted = runner.invoke(app, ["fit", str(train), *common, "--field", "order_id", "--folds", "2", "--out", str(presence)],
+                           catch_exceptions=False)
+    assert fitted.exit_code == 0, fitted.output
+    both = runner.invoke(app, ["eval", str(held), *common, "--head", str(head), "--field-head", f"order_id={presence}",
+                               "--json"], catch_exceptions=False)
+    assert both.exit_code == 0, both.output
+    document = json.loads(both.stdout.splitlines()[-1])
+    assert document["tuned"] is not None and "order_id" in document["heads"], "a tuned prefix and a field head together"
     other = tmp_path / "other.yaml"
     other.write_text(FIELDS_YAML.replace("Extract the fields from the ticket.", "Read the ticket."))
     refused = runner.invoke(app, ["extract", str(held), "--task", str(other), *common[2:], "--head", str(head)])
     assert refused.exit_code == 2 and "another prompt" in refused.output
+
+
+def test_a_presence_head_beside_the_tuned_prefix_reads_the_state_after_it(tuned_fields, tiny_llama, fields_task):
+    """extract --head TUNED --head order_id=FILE: the presence head is applied to the state the rows compute after
+    the tuned prefix (not the prompt's), and only nulls: order_id is null where it says absent, and is the tuned
+    prefix's own copied value elsewhere."""
+    from prefixcache.eval.fit_head import fit_head
+    from prefixcache.scheduler.field_features import collect_field_features
+    from prefixcache.scheduler.field_policy import FieldPolicy
+
+    tuned = tuned_prefix(tuned_fields.head)
+    train = tickets(24, seed=3)
+    features = collect_field_features(tiny_llama, fields_task, "order_id", train, tuned=tuned)
+    gold = {r.id: ("absent", "present")[r.fields["order_id"] is not None] for r in train}
+    head = fit_head(features, gold, folds=2, seed=0).head
+    records = [Record(r.id, {"text": r.fields["text"]}) for r in tickets(12, seed=6)]
+    after = collect_field_features(tiny_llama, fields_task, "order_id", records, tuned=tuned)
+    before = collect_field_features(tiny_llama, fields_task, "order_id", records)
+    assert not np.allclose(after.features, before.features), "the tuned prefix left the rows' states unchanged"
+    extractor = Extractor(tiny_llama, extract_task(FIELDS_YAML.replace("max_new_tokens: 24", "max_new_tokens: 160")))
+    extractor.tuned = tuned
+    own = extractor.extract_all(records, RunConfig(Mode.BATCHED, 4))
+    extractor.policy = FieldPolicy(fields_task, {"order_id": head})
+    judged = extractor.extract_all(records, RunConfig(Mode.BATCHED, 4))
+    said = head.predict(after.features)
+    assert "absent" in said, "the head never said absent: the test would prove nothing"
+    nulled = [p.fields["order_id"] for p, v in zip(own, said) if v == "absent" and p.fields and p.fields["order_id"]]
+    assert nulled, "no copied value was nulled: the test would prove nothing"
+    for plain, result, verdict in zip(own, judged, said):
+        if result.fields is None:
+            continue
+        wanted = None if verdict == "absent" else plain.fields["order_id"] or None
+        assert result.fields["order_id"] == wanted, (plain.fields, result.fields, verdict)

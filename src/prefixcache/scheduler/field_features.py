@@ -20,6 +20,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..cache.kv import PrefixKV
+from ..cache.pool import TunedPrefix
 from ..engine.features import FeatureSpec, packed_features
 from ..engine.head_file import text_hash
 from ..errors import InputError, setting
@@ -77,13 +78,16 @@ class FieldFeatureCollector(BoundTask):
 
 def collect_field_features(
     loaded: LoadedModel, task: ExtractTask, field: str, records: Iterable, batch_size: int = RunConfig().batch_size,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None, tuned: TunedPrefix | None = None,
 ) -> FeatureSet:
     """The ``last`` features of ``records`` under ``task``'s extraction prompt, labelled by ``field``'s values.
+    ``tuned``: the records follow this tuned prefix instead of the prompt's (the states an extractor with that
+    prefix computes before its first generated token); None: the prompt's own prefix.
 
     Raises:
-        InputError: ``field`` is not a choice field of ``task``.
+        InputError: ``field`` is not a choice or copy field of ``task``.
     """
     collector = FieldFeatureCollector(loaded, task, field)
+    collector.tuned = tuned
     rows = collector._stream(records, RunConfig("batched", batch_size), progress, collector.stats_type())
     return feature_set(rows, loaded, collector.spec, collector.labels, collector.prompt.prefix_ids)
