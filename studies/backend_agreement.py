@@ -1,7 +1,8 @@
 # Study behind docs/benchmarks.md, "Generation backends": how often llama.cpp's extraction equals torch's float32.
 """The bundled ``ticket-fields`` extraction on every bundled ticket, batched, once with torch's float32 generation and
 once with llama.cpp's (the same ``.gguf``: torch reads its blocks dequantized, llama.cpp reads them as they are),
-and the share of records and of fields that are equal, every difference listed, in one JSON naming its machine.
+and the share of records and of fields that are equal, every difference listed, in one JSON naming its machine; for
+scale, the same shares between torch's own bfloat16 and float32 paths (how near the 135M model's answers are to ties).
 
     .venv/bin/python studies/backend_agreement.py --json docs/bench/backend-agreement.json
 """
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     threads = set_threads(args.threads)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     loaded = load_model("smollm2-135m", dtype="float32", threads=threads)
     task = load_any_task("ticket-fields")
     records = list(read_records(bundled_dataset(), id_field="id"))[: args.items]
@@ -46,14 +48,20 @@ def main() -> None:
              for a, b in zip(sides["torch"], sides["llama.cpp"]) for name in task.fields]
     differ = [{"id": i, "field": n, "torch": x, "llama.cpp": y} for i, n, x, y in pairs if x != y]
     records_equal = sum(a.fields == b.fields for a, b in zip(sides["torch"], sides["llama.cpp"]))
+    bf16 = Extractor(load_model("smollm2-135m", dtype="bfloat16", threads=threads), task)
+    bf16_side = bf16.extract_all(records, RunConfig("batched", args.batch_size))  # torch's own rounding, for scale
+    bf16_pairs = [(a.fields and a.fields.get(n)) == (b.fields and b.fields.get(n))
+                  for a, b in zip(sides["torch"], bf16_side) for n in task.fields]
     document = {
         "machine": machine_info("float32", threads), "date": time.strftime("%Y-%m-%d"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "commit": commit,  # what was checked out when the run started
         "task": task.name, "records": len(records), "batch_size": args.batch_size,
         "records_equal": records_equal / len(records), "fields_equal": 1 - len(differ) / len(pairs),
         "per_field_equal": {n: 1 - sum(d["field"] == n for d in differ) / len(records) for n in task.fields},
         "errors": {b: sum(r.error is not None for r in side) for b, side in sides.items()},
         "seconds": seconds, "differences": differ,
+        "torch_bfloat16_vs_float32": {"records_equal": sum(a.fields == b.fields for a, b in zip(sides["torch"], bf16_side))
+                                      / len(records), "fields_equal": sum(bf16_pairs) / len(bf16_pairs)},
     }
     args.json.write_text(json.dumps(document, indent=1) + "\n")
     print(f"records equal {document['records_equal']:.1%}, fields equal {document['fields_equal']:.1%}: {args.json}")
