@@ -15,21 +15,18 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import subprocess
 import time
-from pathlib import Path
 
 from prefixcache.bench.workload import ticket_records
 from prefixcache.model.llama_cpp import ContextShape, LlamaCpp
-from prefixcache.model.load import embedded_gguf, load_model, set_threads
-from prefixcache.model.machine import machine_info
+from prefixcache.model.load import embedded_gguf, load_model
 from prefixcache.scheduler.backend_choice import llama_generation
 from prefixcache.scheduler.extract import Extractor, ExtractStats
 from prefixcache.task.definition import load_any_task
 from prefixcache.types import Mode, RunConfig
+from study_run import study_args
 
 
 def decode_cost(threads: int) -> list[dict]:
@@ -82,21 +79,11 @@ def prompt_placement(dtype: str, items: int, threads: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=24)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", type=Path, required=True)
-    args = parser.parse_args()
-    threads = set_threads(args.threads)
-    document = {
-        "machine": machine_info("float32", threads), "date": time.strftime("%Y-%m-%d"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "decode_calls": decode_cost(threads),
-        "prompt_placement": prompt_placement("float32", args.items, threads)
-        + prompt_placement("bfloat16", args.items, threads),
-    }
+    args, threads, facts = study_args(__doc__, items=24)
+    document = {**facts, "decode_calls": decode_cost(threads),
+                "prompt_placement": prompt_placement("float32", args.items, threads)
+                + prompt_placement("bfloat16", args.items, threads)}
     args.json.write_text(json.dumps(document, indent=1) + "\n")
-
 
 if __name__ == "__main__":
     main()

@@ -9,32 +9,23 @@ records (torch reads the ``.gguf``'s own blocks, dequantized). One JSON naming i
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import subprocess
 import time
-from pathlib import Path
 
 from prefixcache.bench.workload import ticket_records
-from prefixcache.model.load import load_model, set_threads
-from prefixcache.model.machine import machine_info
+from prefixcache.model.load import load_model
 from prefixcache.scheduler.backend_choice import llama_generation
 from prefixcache.scheduler.extract import Extractor, ExtractStats
 from prefixcache.task.definition import load_any_task
 from prefixcache.types import Mode, RunConfig
+from study_run import study_args
 
 KINDS = ("own", "q8_0", "q4_0")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=48)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", type=Path, required=True)
-    args = parser.parse_args()
-    threads = set_threads(args.threads)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    args, threads, facts = study_args(__doc__, items=48)
     loaded = load_model("smollm2-135m", "float32", threads)
     task = load_any_task("ticket-fields")
     records = ticket_records(args.items)
@@ -54,8 +45,7 @@ def main() -> None:
                           "records_equal_to_torch": sum(a.fields == b.fields for a, b in zip(reference, out)) / len(records),
                           "weight_bytes": extractor.backend.llama.weight_bytes})
             print(lanes[-1], flush=True)
-    document = {"machine": machine_info("float32", threads), "date": time.strftime("%Y-%m-%d"), "commit": commit,
-                "records": len(records), "lanes": lanes}
+    document = {**facts, "records": len(records), "lanes": lanes}
     args.json.write_text(json.dumps(document, indent=1) + "\n")
 
 
