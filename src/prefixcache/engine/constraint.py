@@ -233,8 +233,9 @@ class ConstrainedRows:
         That is the next canonical token of the bytes the grammar forces (keys, separators, the rest of an enum
         value), or the end token once the grammar is complete and allows nothing else. Masked decoding would pick
         exactly this token (it is the only one allowed), so a caller may append it without a forward pass and feed
-        it with the row's next tokens (a sampling row then draws only for the tokens it picks). None while the row follows its closing path or has
-        one token of budget left (those stay with :meth:`mask_`). Call :meth:`accept` with it before asking again.
+        it with the row's next tokens (a sampling row then draws only for the tokens it picks). None while the row
+        follows its closing path or has one token of budget left (those stay with :meth:`mask_`). Call
+        :meth:`accept` with it before asking again.
         """
         if self._closing[row] or (self._budget is not None and self._generated[row] >= self._budget - 1):
             return None
@@ -246,10 +247,13 @@ class ConstrainedRows:
             return forced[0]
         if self._eos is None or not matcher.is_accepting():
             return None
-        bits = self._bits[-1:].clone()  # [1, W]
+        return self._eos if self._allowed(matcher).tolist() == [self._eos] else None
+
+    def _allowed(self, matcher: llguidance.LLMatcher) -> torch.Tensor:
+        """The token ids ``matcher`` allows next, ascending ``[n]`` (its mask computed into a buffer of its own)."""
+        bits = torch.empty(1, self._bits.shape[1], dtype=torch.int32)  # [1, W]
         matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * bits.element_size())
-        allowed = ((bits[:, :, None] >> _SHIFTS) & 1).view(-1)[: self._vocab].nonzero()[:, 0].tolist()
-        return self._eos if allowed == [self._eos] else None
+        return ((bits[:, :, None] >> _SHIFTS) & 1).view(-1)[: self._vocab].nonzero()[:, 0]
 
     def _forced(self, row: int) -> int | None:
         """The token the budget forces on ``row`` now (the next of its closing path), or None: the model picks."""
@@ -287,7 +291,5 @@ class ConstrainedRows:
         for token in self._closers:
             if probe.validate_tokens([token]) == 1:
                 return token
-        bits = torch.empty(1, self._bits.shape[1], dtype=torch.int32)
-        probe.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * bits.element_size())
-        allowed = ((bits[:, :, None] >> _SHIFTS) & 1).view(-1)[: self._vocab].nonzero()  # [n, 1]
-        return int(allowed[0, 0]) if len(allowed) else None
+        allowed = self._allowed(probe)  # [n]
+        return int(allowed[0]) if len(allowed) else None

@@ -108,7 +108,7 @@ class LlamaGeneration:
             return prefix.token_ids, None
         key = (prefix.token_ids, id(prefix.keys[0]))
         alive = self._alive.get(key)
-        if alive is not None and alive() is not prefix.keys[0] and key in self.holders:
+        if alive is not None and alive() is None:  # the held prefix was freed; this is another at its address
             self._drop_holder(key)
         return key
 
