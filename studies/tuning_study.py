@@ -10,11 +10,18 @@ prompt's prefix and the tuned one. Everything is computed by the package itself:
 --no-refit-head`` writes), ``refit_head`` (the head ``fit --tune prefix`` writes with the prefix by default) and
 ``Classifier`` (what ``classify --head`` runs); LoRA by ``studies/lora_tuning.py`` through the same tuning loop.
 
+``--prompt-examples K`` (banking77, natcs71) puts K of each intent's fitted rows in the prompt as worked examples
+(the first K of each intent's fitted rows, in the split's fixed order), in the ``examples:`` form of
+``docs/tasks/banking77.yaml``; they stay fitted, and the scored rows are the same as without them.
+
 ``--only`` runs some methods and writes their rows into the existing ``--json`` (same data, split, model and seed,
 else refused), each row with its own run's commit, date, machine and command.
 
     .venv/bin/python studies/tuning_study.py banking77 --per-label 10 --scored-per-label 4 --json docs/bench/tuning-banking77.json
     .venv/bin/python studies/tuning_study.py tickets --json docs/bench/tuning-tickets.json
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python studies/tuning_study.py banking77 --per-label 10 \
+        --scored-per-label 4 --epochs 4 --prompt-examples 1 --only head prefix --threads 1 \
+        --json docs/bench/tuning-banking77-examples.json
     .venv/bin/python studies/tuning_study.py tickets --epochs 3 --only lora --threads 1 \
         --json docs/bench/tuning-tickets.json
 """
@@ -36,10 +43,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accuracy_study import (  # noqa: E402  (the data sets and splits of the head study)
     BUNDLED_TICKETS, HANDWRITTEN, NATCS71_INSTRUCTION, NATCS71_LABELS, TASK_DIR, banking77_rows, jsonl_rows,
-    load_task_file, natcs71_rows, stratified_take, without_examples, write_task,
+    load_task_file, natcs71_rows, normalize_text, stratified_take, without_examples, write_task,
 )
 
-from prefixcache.engine.confidence import confidence_and_correct, expected_calibration_error  # noqa: E402
+from prefixcache.engine.confidence import (  # noqa: E402
+    confidence_and_correct, expected_calibration_error, risk_coverage,
+)
 from prefixcache.engine.scoring import LabelScorer  # noqa: E402
 from prefixcache.eval.fit_head import fit_head  # noqa: E402
 from prefixcache.eval.tune_config import RefitConfig, TuneConfig  # noqa: E402
@@ -48,11 +57,13 @@ from prefixcache.eval.tune_refit import refit_head, refit_manifest  # noqa: E402
 from prefixcache.model.machine import machine_info  # noqa: E402
 from prefixcache.scheduler.classify import Classifier  # noqa: E402
 from prefixcache.scheduler.feature_pass import collect_features, own_rows  # noqa: E402
+from prefixcache.task.definition import Task  # noqa: E402
 from prefixcache.types import Mode, Record, RunConfig  # noqa: E402
 
 DATA = {"banking77": ("banking77-short", banking77_rows), "natcs71": ("natcs-71-short", natcs71_rows)}
 METHODS = ("prompt", "head", "prefix", "lora")  # --only's choices: the rows each gives are in measure()
 SAME_SPLIT = ("data", "task", "model", "fit_rows", "scored_rows", "labels", "seed")  # what --only checks
+COVERAGE = 0.65  # the share of scored rows accepted, most confident first, for ``accuracy_at_coverage``
 
 
 def ids_hash(rows: list[dict]) -> str:
@@ -95,11 +106,39 @@ def split(args, task) -> tuple[list[dict], list[dict]]:
     return fit, stratified_take(rows, args.scored_per_label, args.seed + 1, exclude=taken)
 
 
+def with_prompt_examples(task, fit_rows: list[dict], scored_rows: list[dict], k: int):
+    """``task`` with the first ``k`` fitted rows of each intent (in ``fit_rows``' order) as its examples, in the
+    labels' order, named ``<task>-examples<k>``; ``task`` itself when ``k`` is 0. Asserts that no scored row is
+    fitted or shown (by id or by normalized text)."""
+    fitted, scored = {r["id"] for r in fit_rows}, {r["id"] for r in scored_rows}
+    assert not fitted & scored, "a scored row is fitted"
+    if k == 0:
+        return task
+    counts: dict[str, int] = {}
+    shown = []
+    for row in fit_rows:
+        counts[row["label"]] = counts.get(row["label"], 0) + 1
+        if counts[row["label"]] <= k:
+            shown.append(row)
+    order = list(task.labels)
+    shown.sort(key=lambda r: order.index(r["label"]))
+    assert all(counts.get(label, 0) >= k for label in order), f"an intent has fewer than {k} fitted rows"
+    texts = {normalize_text(r["text"]) for r in shown}
+    assert not scored & {r["id"] for r in shown}, "a scored row is in the prompt"
+    assert not texts & {normalize_text(r["text"]) for r in scored_rows}, "a scored row's text is in the prompt"
+    return Task.model_validate(task.model_dump() | {
+        "name": f"{task.name}-examples{k}", "examples": [{"text": r["text"], "label": r["label"]} for r in shown]})
+
+
 def figures(logprobs: np.ndarray, gold: np.ndarray) -> dict:
     """Accuracy and calibration error of label log-probs ``[N, L]`` as ``classify`` gives them (calibrated by the
-    head's stored temperature, where it has one)."""
+    head's stored temperature, where it has one), and the accuracy of the rows accepted most confident first down
+    to ``COVERAGE`` of them (rows of equal confidence accepted together, so the coverage reached is recorded)."""
     confidence, correct = confidence_and_correct(logprobs, gold)
-    return {"accuracy": float(correct.mean()), "ece": expected_calibration_error(confidence, correct)}
+    curve = risk_coverage(confidence, correct)
+    at = int(np.searchsorted(curve.coverage, COVERAGE - 1e-9))
+    return {"accuracy": float(correct.mean()), "ece": expected_calibration_error(confidence, correct),
+            "accuracy_at_coverage": float(curve.accuracy[at]), "coverage": float(curve.coverage[at])}
 
 
 def timed_classify(loaded, task, head, scored: list[Record]) -> tuple[np.ndarray, float]:
@@ -235,6 +274,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--only", nargs="+", choices=METHODS, default=list(METHODS),
                         help="the methods to run (default: all); a subset is merged into the existing --json")
+    parser.add_argument("--prompt-examples", type=int, default=0,
+                        help="K: the first K fitted rows of each intent also shown as the prompt's worked examples")
     parser.add_argument("--lora-lr", type=float, default=2e-3, help="the LoRA adapters' learning rate (AdamW)")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
@@ -245,16 +286,20 @@ def main() -> None:
     loaded = open_model("smollm2-135m", args.dtype, args.threads)
     task = data_task(args.data)
     fit_rows, scored_rows = split(args, task)
+    if args.prompt_examples and args.data == "tickets":
+        parser.error("--prompt-examples is for banking77 and natcs71")
+    task = with_prompt_examples(task, fit_rows, scored_rows, args.prompt_examples)
     results, prompt_tokens = measure(args, loaded, task, fit_rows, scored_rows)
     document = {"data": args.data, "task": task.name, "model": loaded.identity, "fit_rows": len(fit_rows),
                 "scored_rows": len(scored_rows), "labels": len(task.labels), "prompt_tokens": prompt_tokens,
-                "seed": args.seed, "fit_ids_sha256": ids_hash(fit_rows), "scored_ids_sha256": ids_hash(scored_rows),
+                "prompt_examples_per_label": args.prompt_examples, "seed": args.seed, "fit_ids_sha256": ids_hash(fit_rows), "scored_ids_sha256": ids_hash(scored_rows),
                 "machine": machine_info(str(loaded.dtype).removeprefix("torch."), args.threads),
                 "command": " ".join(sys.argv)}
     write(args, document, results, head)
     for name, row in results.items():
         print(f"{name:28s} accuracy {row['accuracy']:.1%}  ECE {row['ece']:.1%}  fit {row['fit_seconds']:.0f} s  "
-              f"{row['ms_per_record']:.1f} ms/record")
+              f"{row['ms_per_record']:.1f} ms/record  "
+              f"{row['accuracy_at_coverage']:.1%} at {row['coverage']:.0%} coverage")
 
 
 if __name__ == "__main__":
