@@ -292,9 +292,10 @@ def main() -> None:
     results, prompt_tokens = measure(args, loaded, task, fit_rows, scored_rows)
     document = {"data": args.data, "task": task.name, "model": loaded.identity, "fit_rows": len(fit_rows),
                 "scored_rows": len(scored_rows), "labels": len(task.labels), "prompt_tokens": prompt_tokens,
-                "prompt_examples_per_label": args.prompt_examples, "seed": args.seed, "fit_ids_sha256": ids_hash(fit_rows), "scored_ids_sha256": ids_hash(scored_rows),
+                "prompt_examples_per_label": args.prompt_examples, "seed": args.seed,
+                "fit_ids_sha256": ids_hash(fit_rows), "scored_ids_sha256": ids_hash(scored_rows),
                 "machine": machine_info(str(loaded.dtype).removeprefix("torch."), args.threads),
-                "command": " ".join(sys.argv)}
+                "commit": head, "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv)}
     write(args, document, results, head)
     for name, row in results.items():
         print(f"{name:28s} accuracy {row['accuracy']:.1%}  ECE {row['ece']:.1%}  fit {row['fit_seconds']:.0f} s  "
