@@ -162,6 +162,21 @@ def test_the_tuning_table_names_a_later_runs_rows_in_its_caption():
     assert table.count("commit abc1234") == 1 and "the commands: `study tickets`" in table
 
 
+def test_the_tuning_table_shows_the_prompts_examples_and_the_accuracy_of_the_most_confident_rows():
+    machine = {"cpu": "AMD EPYC", "cores": 2, "flags": ["avx2"], "dtype": "float32", "threads": 1, "command": "study b77"}
+    row = {"accuracy": 0.8, "ece": 0.05, "fit_seconds": 60.0, "ms_per_record": 90.0, "accuracy_at_coverage": 0.95,
+           "coverage": 0.651}
+    doc = {"machine": machine, "model": "m", "data": "banking77", "fit_rows": 770, "scored_rows": 308,
+           "prompt_tokens": 3000, "prompt_examples_per_label": 1, "commit": "abc1234", "date": "2026-12-07",
+           "results": {"linear head": row}}
+    table = tables.tuning_table([doc])
+    assert ("| banking77 (770 fitted -> 308 scored, 3000-token prompt, 1 fitted row(s) per intent as its examples) "
+            "| linear head | 80.0% | 5.0% | 1 min | 90.0 | 95.0% at 65% |") in table
+    assert "the commands: `study b77` (commit abc1234, 2026-12-07)" in table
+    assert "most confident" not in tables.tuning_table([{**doc, "results": {"linear head": {
+        k: v for k, v in row.items() if k not in ("accuracy_at_coverage", "coverage")}}}])
+
+
 def test_the_curves_table_shows_each_method_at_each_point_and_why_one_is_absent():
     figures = lambda acc, seconds: {"accuracy": acc, "ece": 0.05, "fit_seconds": seconds, "ms_per_record": 40.0}
     doc = {"machine": {"cpu": "AMD EPYC", "cores": 2, "flags": ["avx2"], "dtype": "float32", "threads": 1}, "model": "m",

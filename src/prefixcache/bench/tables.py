@@ -220,23 +220,37 @@ def tuning_table(docs: list[dict]) -> str:
     """``studies/tuning_study.py`` runs: per data set, the prompt alone, a linear head, a tuned prefix, a tuned
     prefix with a head refitted on its states and LoRA on the weights, on rows held out of every fit. A row that
     carries its own ``run`` (``--only``: measured by a later run, merged into the file) is named in the caption with
-    that run's commit, date, threads, load and command."""
+    that run's commit, date, threads, load and command. Where rows carry ``accuracy_at_coverage``, a column gives
+    it (the accuracy of the most confident rows, at the ``coverage`` reached)."""
     rows, later = [], {}
+    covered = any("accuracy_at_coverage" in row for doc in docs for row in doc["results"].values())
     for doc in docs:
-        where = f"{doc['data']} ({doc['fit_rows']} fitted -> {doc['scored_rows']} scored, {doc['prompt_tokens']}-token prompt)"
+        where = f"{doc['data']} ({doc['fit_rows']} fitted -> {doc['scored_rows']} scored, "
+        where += f"{doc['prompt_tokens']}-token prompt"
+        shown = doc.get("prompt_examples_per_label")
+        where += f", {shown} fitted row(s) per intent as its examples)" if shown else ")"
         for name, row in doc["results"].items():
             rows.append([where, name, f"{100 * row['accuracy']:.1f}%", f"{100 * row['ece']:.1f}%",
                          duration(row["fit_seconds"]) if row["fit_seconds"] else "–", ms(row["ms_per_record"])])
+            if covered:
+                rows[-1].append(f"{100 * row['accuracy_at_coverage']:.1f}% at {100 * row['coverage']:.0f}%"
+                                if "accuracy_at_coverage" in row else "–")
             if row.get("run"):
                 later.setdefault((doc["data"], json.dumps(row["run"], sort_keys=True)), []).append(name)
-    commands = ", ".join(f"`{d['machine']['command']}`" for d in docs if d.get("machine", {}).get("command"))
+    commands = ", ".join(study_command(d) for d in docs if d.get("machine", {}).get("command"))
     bare = {**docs[0], "machine": {k: v for k, v in docs[0].get("machine", {}).items() if k != "command"}}
     facts = f"{docs[0]['model']}, run dtype {docs[0]['machine'].get('dtype')}; the commands: {commands}"
     if later:
         facts += "; measured by a later run: " + "; ".join(
             later_run(data, names, json.loads(run)) for (data, run), names in later.items())
-    return md_table(["data", "method", "accuracy", "calibration error", "fit", "ms / record (batched)"], rows) + \
-        caption(bare, facts)
+    header = ["data", "method", "accuracy", "calibration error", "fit", "ms / record (batched)"]
+    return md_table(header + ["accuracy of the most confident rows"] * covered, rows) + caption(bare, facts)
+
+
+def study_command(doc: dict) -> str:
+    """A study JSON's command in backquotes, and the commit and date it names (where it names them)."""
+    command = f"`{doc['machine']['command']}`"
+    return f"{command} (commit {doc['commit']}, {doc['date']})" if doc.get("commit") else command
 
 
 def later_run(data: str, methods: list[str], run: dict) -> str:
