@@ -136,13 +136,16 @@ def main() -> None:
     split_args = argparse.Namespace(data=args.data, per_label=10, scored_per_label=4, seed=0)
     task_name = "tickets" if args.data == "tickets" else args.data
     fit_rows, scored_rows = split(split_args, data_task(task_name))
-    document = json.loads(args.json.read_text()) if args.json.exists() else {}
-    runs = document.setdefault(args.data, {"fit_rows": len(fit_rows), "scored_rows": len(scored_rows),
-                                           "scored_ids": ids_hash(scored_rows), "models": {}})
+    document = json.loads(args.json.read_text()) if args.json.exists() else {"data": {}}
+    runs = document["data"].setdefault(args.data, {"fit_rows": len(fit_rows), "scored_rows": len(scored_rows),
+                                                   "scored_ids": ids_hash(scored_rows), "models": {}})
+    if runs["scored_ids"] != ids_hash(scored_rows):
+        raise SystemExit(f"{args.json}: its {args.data} rows are not this split's")
+    started_at = commit()  # the commit checked out when the run started
     for spec in [DEFAULT_MODEL, *args.model]:
         row = measure(spec, task_name, fit_rows, scored_rows, args.dtype)
-        row |= {"commit": commit(), "date": time.strftime("%Y-%m-%d"),
-                "machine": machine_info(args.dtype, args.threads), "command": " ".join(sys.argv)}
+        document["machine"] = machine_info(args.dtype, args.threads)  # the latest run's; each row keeps its own
+        row |= {"commit": started_at, "date": time.strftime("%Y-%m-%d"), "machine": document["machine"]}
         runs["models"][row["model"]] = row
         print(json.dumps({k: row[k] for k in ("model", "prompt alone", "linear head", "seconds")}))
         args.json.write_text(json.dumps(document, indent=1) + "\n")

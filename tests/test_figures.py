@@ -194,3 +194,20 @@ def test_the_curves_table_shows_each_method_at_each_point_and_why_one_is_absent(
     assert "| linear head | 42.0% (5.0%, 30 s) | 90.0% (5.0%, 15 min) |" in table
     assert "| tuned prefix | 30.0% (5.0%, 3 min) | – |" in table
     assert "banking77, all: tuned prefix not run: expected to take 3600 s" in table and "1 torch thread(s)" in table
+
+
+def test_the_second_model_table_shows_each_model_on_the_same_rows_and_names_each_run():
+    machine = {"cpu": "AMD EPYC", "cores": 2, "flags": ["avx2"], "dtype": "float32", "threads": 1, "command": "second b77"}
+    row = lambda model, layers, acc: {  # noqa: E731
+        "model": model, "layers": layers, "prompt_tokens": 1376, "seconds": 780.0, "commit": "abc1234",
+        "date": "2026-12-07", "machine": {**machine, "command": "studies/second_model.py banking77"},
+        "prompt alone": {"accuracy": 0.039, "ece": 0.6}, "linear head": {"accuracy": acc, "ece": 0.2, "ece_calibrated": 0.055}}
+    doc = {"machine": machine, "data": {"banking77": {"fit_rows": 770, "scored_rows": 308, "scored_ids": "ab", "models": {
+        "gguf:a.gguf@sha256:1": row("gguf:a.gguf@sha256:1", 30, 0.705),
+        "gguf:b.gguf@sha256:2": row("gguf:b.gguf@sha256:2", 18, 0.753)}}}}
+    table = tables.MULTI["second-model"]([doc])
+    assert ("| banking77 (`banking77-short`), 770 fitted -> 308 scored | gguf:a.gguf (30 layers) | 1,376 | 3.9% | 70.5% "
+            "| 5.5% | 13 min |") in table
+    assert "| gguf:b.gguf (18 layers) | 1,376 | 3.9% | 75.3% |" in table
+    assert table.count("`studies/second_model.py banking77` (commit abc1234, 2026-12-07)") == 1
+    assert "2-core AMD EPYC" in table and "second b77" not in table
