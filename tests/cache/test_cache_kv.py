@@ -163,19 +163,21 @@ def test_a_fork_refuses_rows_it_was_not_made_for_and_a_packed_fork_a_second_pass
 @pytest.mark.parametrize(
     ("settings", "named"),
     [
-        ({"use_sliding_window": True}, "['sliding_attention']"),  # set after the layer types: only the flag says so
         ({"layer_types": ["full_attention", "linear_attention"]}, "['linear_attention']"),
-        ({"layer_types": ["sliding_attention", "linear_attention"]}, "['linear_attention', 'sliding_attention']"),
+        ({"layer_types": ["sliding_attention", "linear_attention"]}, "['linear_attention']"),
+        ({"layer_types": ["chunked_attention", "mamba"]}, "['chunked_attention', 'mamba']"),
     ],
 )
-def test_a_model_with_layers_that_are_not_full_attention_is_refused_naming_them(stored, settings, named):
-    """A sliding-window or linear-attention layer cannot read a shared prefix by reference: building,
-    and extending, a prefix for such a model is refused, naming the model type and the odd layer types."""
+def test_a_model_with_layers_that_are_not_attention_is_refused_naming_them(stored, settings, named):
+    """A linear-attention or state-space layer has no keys to share: building, and extending, a prefix for such a
+    model is refused, naming the model type and the odd layer types. Sliding-window layers are not named: they are
+    served (tests/attention/test_sliding_window_prefix.py)."""
     config = tiny_config("qwen2", 400)
     for name, value in settings.items():
         setattr(config, name, value)
     model = SimpleNamespace(config=config)
-    message = f"model type 'qwen2' uses layer types {named}; prefix sharing supports full-attention decoders only"
+    message = (f"model type 'qwen2' uses layer types {named}; "
+               "prefix sharing supports attention decoders only (full or sliding-window)")
     for attempt in (lambda: PrefixKV.build(model, IDS), lambda: stored.extend(model, IDS[:1])):
         with pytest.raises(PromptError) as refused:
             attempt()

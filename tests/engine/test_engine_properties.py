@@ -1,6 +1,6 @@
 """Property tests (hypothesis) of invariants 1 and 2 over random tiny models, random tokens and random batch sizes.
 
-* cached equals full: for any tiny Llama/Qwen2 (layers, heads, KV heads, head size, seed), any prefix and
+* cached equals full: for any tiny Llama/Qwen2/Gemma 3 (Gemma's 48-token sliding windows beside full layers; layers, heads, KV heads, head size, seed), any prefix and
   rows of token ids, and any batch size, scoring rows over the stored prefix gives the log-probs of a plain
   full forward pass with no cache code at all (an independent oracle), and the same label;
 * no cross-talk: a row's scores do not depend on which rows share its batch, where it sits, or how much
@@ -49,7 +49,7 @@ def _prompt():
 def shapes(draw) -> tuple:
     """A tiny architecture: (arch, layers, kv_heads, query heads per kv head, head_dim, seed)."""
     return (
-        draw(st.sampled_from(["llama", "qwen2"])),
+        draw(st.sampled_from(["llama", "qwen2", "gemma3"])),
         draw(st.integers(1, 3)),
         draw(st.sampled_from([1, 2, 4])),
         draw(st.sampled_from([1, 2, 3])),
@@ -68,6 +68,8 @@ def _model(shape: tuple) -> torch.nn.Module:
         hidden_size=heads * head_dim, head_dim=head_dim,
     )
     settings.pop("layer_types", None)  # derived from num_hidden_layers
+    if arch == "gemma3":  # sliding first, then alternating with full layers
+        settings["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]
     return build_random_model(type(base).from_dict(settings), seed=seed)
 
 
@@ -105,8 +107,10 @@ def _assert_same_scores(got: torch.Tensor, want: torch.Tensor, context: str) -> 
     rows=st.lists(_tokens(12), min_size=1, max_size=5),
     batch=st.integers(1, 7),
     method=st.sampled_from(["first-token", "full"]),
+    longer=st.integers(0, 40),
 )
-def test_cached_equals_full_on_random_models_and_tokens(shape, prefix, rows, batch, method):
+def test_cached_equals_full_on_random_models_and_tokens(shape, prefix, rows, batch, method, longer):
+    prefix = prefix + prefix[:longer]  # up to 88 tokens: past Gemma's sliding window
     model = _model(shape)
     head = LabelScorer(model, _prompt(), method)
     stored = PrefixKV.build(model, prefix)

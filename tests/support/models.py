@@ -59,6 +59,11 @@ def tiny_config(arch: str, vocab: int):
     )
     if arch == "llama":
         return LlamaConfig(**common)
+    if arch == "gemma3":  # sliding-window layers (48 tokens) beside full ones, as Gemma 3 interleaves them
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=16, sliding_window=48,
+                                sliding_window_pattern=2)
     return Qwen2Config(**common, rope_theta=1e6, use_sliding_window=False)
 
 

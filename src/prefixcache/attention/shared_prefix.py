@@ -20,8 +20,12 @@ Rows may also come *packed* (:class:`Packing`): laid end to end as one
 sequence with no padding, so that the model's linear layers never compute
 pads; only the small own part is unpacked to padded rows.
 
-Every row attends to the whole prefix (the contract of a fork); the mask the
-model builds is consulted only for the own tokens of padded rows. Ordinary key tensors (a
+Every row attends to the whole prefix (the contract of a fork), except in a
+sliding-window layer (Gemma 3's, Mistral's), where a query at position ``q``
+sees the prefix keys after ``q - window`` (:func:`prefix_band`, from the
+positions the model passes), and padded rows see their own keys inside it too
+(:mod:`.sliding_window`). The mask the model builds is consulted only for the
+own tokens of padded rows. Ordinary key tensors (a
 ``DynamicCache`` building a prefix, or no cache) go to transformers' SDPA path
 unchanged. A :class:`SharedKV` reaching any other attention implementation
 fails loudly instead of silently dropping the prefix.
@@ -40,6 +44,8 @@ from typing import Sequence
 import functools
 
 import torch
+
+from .sliding_window import Window
 
 NAME = "prefixcache"
 
@@ -109,6 +115,7 @@ class SharedKV:
     own: torch.Tensor  # [B, kv_heads, S, head_dim]
     packing: Packing | None = None
     own_parts: tuple[OwnPart, ...] | None = None  # a slot step's rows, attended part by part (see OwnPart)
+    own_positions: torch.Tensor | None = None  # [B|1, S] each own key's position, where the fork recorded them
 
 
 class OwnPart:
@@ -185,29 +192,41 @@ def shared_prefix_attention(
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    unsupported = sorted(k for k in ("softcap", "s_aux", "sliding_window") if kwargs.get(k) is not None)
+    unsupported = sorted(k for k in ("softcap", "s_aux") if kwargs.get(k) is not None)
     if unsupported:
         raise NotImplementedError(f"prefix sharing does not support attention with {', '.join(unsupported)}")
     batch, heads, width, head_dim = query.shape
     prefix_len, own_len = key.prefix.shape[-2], key.own.shape[-2]
     groups = heads // key.own.shape[1]
+    window = Window.of(kwargs, prefix_len, own_len, width, query.device)  # None: not a sliding-window layer
     scale = head_dim**-0.5 if scaling is None else scaling
 
     kv_heads = key.own.shape[1]
-    if key.own_parts is not None:
-        out, lse = _own_parts(query, key.own, value.own, key.own_parts, scale)  # [1, H, N, d], [1, H, N]
-    elif key.packing is not None:
-        out, lse = _own_packed(query, key.own, value.own, key.packing, scale)  # [1, H, N, d], [1, H, N]
+    if key.own_parts is not None or key.packing is not None:
+        if window is not None:
+            window.require_rows_inside()
+        if key.own_parts is not None:
+            out, lse = _own_parts(query, key.own, value.own, key.own_parts, scale)  # [1, H, N, d], [1, H, N]
+        else:
+            out, lse = _own_packed(query, key.own, value.own, key.packing, scale)  # [1, H, N, d], [1, H, N]
     else:
         own_mask = _own_mask(attention_mask, prefix_len, width, own_len, query.device)  # [B|1, 1, T, S] or None: causal
+        if window is not None:
+            own_mask = window.own_mask(own_mask, key.own_positions)
         out, lse = _own_grouped(query, key.own, value.own, own_mask, scale)  # [B, H, T, d], [B, H, T]
+    band = None if window is None else window.prefix_band()  # [B|1, T, P] or None
     if prefix_len:
         folded = query.view(batch, kv_heads, groups, width, head_dim).transpose(0, 1)  # [kv, B, g, T, d]
         folded = folded.reshape(1, kv_heads, batch * groups * width, head_dim)  # [1, kv, B*g*T, d]
-        out_p, lse_p = _attend(folded, key.prefix, value.prefix, None, scale)
+        visible = None if band is None else band[:, None].expand(-1, groups, -1, -1).reshape(1, 1, -1, prefix_len)
+        out_p, lse_p = _attend(folded, key.prefix, value.prefix, visible, scale)  # visible: [1, 1, B*g*T, P] or None
+        if visible is not None:  # a query whose window holds no prefix key: lse -inf, weight 0, no NaN in the merge
+            out_p = out_p.nan_to_num(0.0)
         out_p = out_p.view(kv_heads, batch, groups, width, head_dim).transpose(0, 1).reshape(query.shape)
         lse_p = lse_p.view(kv_heads, batch, groups, width).transpose(0, 1).reshape(batch, heads, width)
         out = _merge(out, lse, out_p, lse_p)
+    if window is not None:  # a pad far past its row's window sees no key at all: 0, not NaN
+        out = out.nan_to_num(0.0)
     return out.transpose(1, 2).contiguous(), None
 
 

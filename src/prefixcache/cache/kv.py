@@ -65,7 +65,7 @@ class PrefixKV:
         Only the decoder stack runs (no output head): the prefix's logits are never needed.
 
         Raises:
-            PromptError: the prefix is empty or the model uses sliding-window / non-attention layers.
+            PromptError: the prefix is empty or the model uses non-attention layers.
         """
         if not token_ids:
             raise PromptError("the prefix is empty: nothing to cache")
@@ -142,7 +142,7 @@ class PrefixKV:
         tensors. This prefix is not modified, and the result shares no storage with it.
 
         Raises:
-            PromptError: the model uses sliding-window / non-attention layers.
+            PromptError: the model uses non-attention layers.
             ValueError: ``tail_ids`` is empty (use :meth:`copy`).
         """
         if not tail_ids:
@@ -220,31 +220,42 @@ class KVShape:
         return 2 * self.layers * self.kv_heads * tokens * self.head_dim * element_size
 
 
+ATTENTION_LAYERS = ("full_attention", "sliding_attention")  # sliding: the attention's prefix band applies the window
+
+
 def _require_full_attention(config) -> None:
+    """Refuse a decoder with layers that are not attention (linear attention, state-space, chunked).
+
+    Sliding-window layers are served: their prefix is stored whole, and each record's queries see the part of it
+    inside their window (:func:`~prefixcache.attention.shared_prefix.prefix_band`)."""
     text_config = config.get_text_config(decoder=True)
     layer_types = getattr(text_config, "layer_types", None) or []
-    odd = sorted({t for t in layer_types if t != "full_attention"})
-    if odd or getattr(text_config, "use_sliding_window", False):
+    odd = sorted({t for t in layer_types if t not in ATTENTION_LAYERS})
+    if odd:
         raise PromptError(
-            f"model type {config.model_type!r} uses layer types {odd or ['sliding_attention']}; "
-            "prefix sharing supports full-attention decoders only"
+            f"model type {config.model_type!r} uses layer types {odd}; "
+            "prefix sharing supports attention decoders only (full or sliding-window)"
         )
 
 
 def _prefill_cache(model: torch.nn.Module):
-    """An empty cache for a prefix build: the lean decoder's own, else a transformers ``DynamicCache``."""
+    """An empty cache for a prefix build: the lean decoder's own, else a transformers ``DynamicCache`` that keeps
+    every layer's keys whole (made without the config, so sliding-window layers are not cut to their window:
+    records after the prefix sit at later positions and see its end)."""
     new_cache = getattr(model.base_model, "new_cache", None)
     if new_cache is not None:
         return new_cache()
     from transformers.cache_utils import DynamicCache
 
-    return DynamicCache(config=model.config)
+    return DynamicCache()
 
 
 class _ForkLayer:
     """One layer of a fork: the shared prefix by reference plus this batch's own keys/values.
 
-    ``self.keys``/``self.values`` hold only the own tokens, ``[B, kv_heads, S_own, head_dim]``.
+    ``self.keys``/``self.values`` hold only the own tokens, ``[B, kv_heads, S_own, head_dim]``; ``self.positions``
+    their positions ``[B|1, S_own]`` where every pass gave them (transformers' layers pass ``position_ids``), else
+    None. A sliding-window layer reads them to keep a long row's queries off its own keys outside the window.
     """
 
     is_croppable = False
@@ -258,11 +269,13 @@ class _ForkLayer:
         self.batch_size = batch_size
         self.packing = packing
         self.device = prefix_keys.device
+        self.positions: torch.Tensor | None = None  # [B|1, S_own]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states: [B, kv_heads, S_new, head_dim]
         if key_states.shape[0] != self.batch_size:
             raise ValueError(f"fork was made for batch {self.batch_size}, got {key_states.shape[0]} rows")
+        positions = (kwargs.get("kwargs") or {}).get("position_ids")  # [B|1, S_new], where the layer passes them
         if self.packing is not None:
             if self.is_initialized:
                 raise ValueError("a packed fork serves one forward pass; fork again for another")
@@ -271,9 +284,13 @@ class _ForkLayer:
         if self.is_initialized:
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
+            self.positions = None if positions is None or self.positions is None else torch.cat(
+                [self.positions.expand(self.batch_size, -1), positions.expand(self.batch_size, -1)], dim=-1)
         else:
             self.keys, self.values, self.is_initialized = key_states, value_states, True
-        return SharedKV(self.prefix_keys, self.keys), SharedKV(self.prefix_values, self.values)
+            self.positions = positions
+        return (SharedKV(self.prefix_keys, self.keys, own_positions=self.positions),
+                SharedKV(self.prefix_values, self.values, own_positions=self.positions))
 
     def own_length(self) -> int:
         return self.keys.shape[-2] if self.is_initialized else 0
@@ -285,12 +302,16 @@ class _ForkLayer:
         if self.is_initialized:
             self.keys = self.keys.repeat_interleave(repeats, dim=0)
             self.values = self.values.repeat_interleave(repeats, dim=0)
+            if self.positions is not None:
+                self.positions = self.positions.expand(self.batch_size, -1).repeat_interleave(repeats, dim=0)
         self.batch_size *= repeats
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
             self.keys = self.keys[indices, ...]
             self.values = self.values[indices, ...]
+            if self.positions is not None:
+                self.positions = self.positions.expand(self.batch_size, -1)[indices, ...]
         self.batch_size = int(indices.numel())
 
 
@@ -306,7 +327,7 @@ class ForkedCache:
         self.layers = layers
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        return self.layers[layer_idx].update(key_states, value_states)
+        return self.layers[layer_idx].update(key_states, value_states, **kwargs)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length()

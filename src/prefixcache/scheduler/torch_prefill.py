@@ -67,6 +67,8 @@ class TorchPrefill:
     def __init__(self, model: torch.nn.Module, llama: LlamaCpp, scratch: int):
         if llama.rope_type not in ROPE_PAIRS:
             raise BackendError(f"llama.cpp's RoPE type {llama.rope_type} is not one torch's keys are written in")
+        if "sliding_attention" in (getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()):
+            raise BackendError("llama.cpp keeps sliding-window layers in cells of their own, which are not written here")
         self.model, self.llama, self.pairs = model, llama, ROPE_PAIRS[llama.rope_type]
         self.layout = layout_of(llama, scratch)
         shape = KVShape.of(model.config)

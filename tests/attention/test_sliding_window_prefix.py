@@ -1,0 +1,98 @@
+"""Sliding-window layers over a shared prefix (Gemma 3 interleaves them with full layers): a record's tokens see
+only the prefix keys inside their window, so the cached path must give what encoding prefix and record whole gives.
+
+A tiny random Gemma 3 (transformers' decoder, the fallback) with a 6-token window makes every case reachable:
+prefixes shorter and longer than the window, packed and padded rows, records that reach the window's edge.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixcache.attention.sliding_window import Window
+from prefixcache.cache.kv import PrefixKV
+from prefixcache.engine.rows import last_hidden_packed, run_padded
+from prefixcache.errors import PromptError
+from prefixcache.model.load import build_random_model
+
+WINDOW = 6
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                              sliding_window=WINDOW, max_position_embeddings=128,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    return build_random_model(config, seed=3)
+
+
+def whole(model, prefix: list[int], row: list[int]) -> torch.Tensor:
+    """The hidden state at the row's last token with prefix and row encoded whole, no cache. ``[H]``."""
+    with torch.inference_mode():
+        return model.base_model(input_ids=torch.tensor([prefix + row])).last_hidden_state[0, -1]
+
+
+tokens = st.integers(min_value=0, max_value=VOCAB - 1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(prefix=st.lists(tokens, min_size=1, max_size=20),
+       rows=st.lists(st.lists(tokens, min_size=1, max_size=WINDOW - 1), min_size=1, max_size=4),
+       packed=st.booleans())
+def test_rows_over_a_shared_prefix_equal_the_whole_encoding_in_sliding_window_layers(gemma, prefix, rows, packed):
+    stored = PrefixKV.build(gemma, prefix)
+    assert all(k.shape[-2] == len(prefix) for k in stored.keys)  # stored whole in every layer, sliding ones too
+    if packed:
+        got = last_hidden_packed(gemma, stored, rows)  # [B, H]
+    else:
+        with torch.inference_mode():
+            got = run_padded(gemma, stored, rows).last  # [B, H]
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(got[i], whole(gemma, prefix, row), atol=1e-4, rtol=1e-4,
+                                   msg=lambda m: f"prefix {len(prefix)}, row {row}: {m}")
+
+
+def test_a_record_longer_than_the_window_is_refused_when_laid_end_to_end_and_served_padded(gemma):
+    """Packed rows attend to their own tokens causally, without the model's mask, so a record longer than the
+    window is refused there (naming the window); padded rows read the window from the model's mask and serve it."""
+    prefix, long_row = list(range(10)), [(7 * i) % VOCAB for i in range(WINDOW + 3)]
+    stored = PrefixKV.build(gemma, prefix)
+    with pytest.raises(PromptError, match=f"longer than this model's {WINDOW}-token sliding window"):
+        last_hidden_packed(gemma, stored, [[1, 2], long_row])
+    with torch.inference_mode():
+        got = run_padded(gemma, stored, [[1, 2], long_row]).last  # [2, H]
+    torch.testing.assert_close(got[1], whole(gemma, prefix, long_row), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[0], whole(gemma, prefix, [1, 2]), atol=1e-4, rtol=1e-4)
+
+
+def band(positions, size, prefix_len):
+    return Window(size, prefix_len, torch.tensor(positions)).prefix_band()
+
+
+def test_the_band_shows_each_query_the_prefix_keys_inside_its_window():
+    assert band([[8, 9]], 6, 8).tolist() == [[[False, False, False, True, True, True, True, True],
+                                              [False, False, False, False, True, True, True, True]]]
+    assert band([[3, 4]], 6, 3) is None  # the whole prefix is inside every window
+    assert band([[20]], 6, 8).tolist() == [[[False] * 8]]  # its window starts after the prefix
+    assert band([[20]], 6, 0) is None  # no prefix
+    assert Window.of({}, 8, 3, 2, "cpu") is None  # not a sliding layer
+    derived = Window.of({"sliding_window": 6}, 8, 3, 2, "cpu")  # two new tokens after one earlier own token
+    assert derived.positions.tolist() == [[9, 10]]
+
+
+def test_own_keys_outside_a_query_window_are_hidden_and_unknown_positions_are_refused():
+    window = Window(3, 2, torch.tensor([[5, 6]]))  # two queries after a 2-token prefix and 3 earlier own tokens
+    own = torch.tensor([[2, 3, 4, 5, 6]])  # [1, S]
+    seen = torch.ones(1, 1, 2, 5, dtype=torch.bool)
+    assert window.own_mask(seen, own).tolist() == [[[[False, True, True, True, True],
+                                                     [False, False, True, True, True]]]]
+    with pytest.raises(PromptError, match="3-token sliding window"):
+        window.own_mask(seen, None)
+    assert Window(8, 2, torch.tensor([[5, 6]])).own_mask(seen, None) is seen  # every window starts in the prefix
