@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tuning_study import commit, data_task, ids_hash, records, split  # noqa: E402
+from tuning_study import TURNS, commit, data_task, ids_hash, records, split  # noqa: E402
 
 from prefixcache.engine.confidence import confidence_and_correct, expected_calibration_error  # noqa: E402
 from prefixcache.eval.fit_curve import subset  # noqa: E402
@@ -41,10 +41,6 @@ from prefixcache.model.load import DEFAULT_MODEL, load_model  # noqa: E402
 from prefixcache.model.machine import machine_info  # noqa: E402
 from prefixcache.scheduler.feature_pass import FeatureSet, own_rows  # noqa: E402
 
-TURNS = (
-    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
-    "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-)
 BATCH = 16
 
 

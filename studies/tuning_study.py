@@ -61,6 +61,11 @@ from prefixcache.task.definition import Task  # noqa: E402
 from prefixcache.types import Mode, Record, RunConfig  # noqa: E402
 
 DATA = {"banking77": ("banking77-short", banking77_rows), "natcs71": ("natcs-71-short", natcs71_rows)}
+# Gemma's turn markers as a chat template, for a pretrained model whose tokenizer has none (Gemma 3 270M's .gguf)
+TURNS = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
 METHODS = ("prompt", "head", "prefix", "lora")  # --only's choices: the rows each gives are in measure()
 SAME_SPLIT = ("data", "task", "model", "fit_rows", "scored_rows", "labels", "seed")  # what --only checks
 COVERAGE = 0.65  # the share of scored rows accepted, most confident first, for ``accuracy_at_coverage``
@@ -277,13 +282,17 @@ def main() -> None:
     parser.add_argument("--prompt-examples", type=int, default=0,
                         help="K: the first K fitted rows of each intent also shown as the prompt's worked examples")
     parser.add_argument("--lora-lr", type=float, default=2e-3, help="the LoRA adapters' learning rate (AdamW)")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="another model (a .gguf path); one without a chat template is given Gemma's turns")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
 
     from prefixcache.cli.loading import open_model
 
     head = commit()  # read now: other commits may land while the run goes on
-    loaded = open_model("smollm2-135m", args.dtype, args.threads)
+    loaded = open_model(args.model, args.dtype, args.threads)
+    if loaded.tokenizer.chat_template is None:
+        loaded.tokenizer.chat_template = TURNS
     task = data_task(args.data)
     fit_rows, scored_rows = split(args, task)
     if args.prompt_examples and args.data == "tickets":
