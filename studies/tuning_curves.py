@@ -74,7 +74,7 @@ def open_document(args, loaded, task, scored: list[dict]) -> dict:
 
 def save(args, doc: dict, loaded) -> None:
     doc["machine"] = machine_info(str(loaded.dtype).removeprefix("torch."), args.threads)
-    doc["commit"], doc["date"] = commit(), datetime.date.today().isoformat()
+    doc["commit"], doc["date"] = args.started_at, datetime.date.today().isoformat()
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=1) + "\n")
 
@@ -138,7 +138,7 @@ def run_point(ctx, label, fit_rows: list[dict], deadline: float, bar) -> None:
     to end past ``deadline`` is not run, and the JSON says why."""
     args, loaded, task, scored, doc = ctx
     entry = point_entry(doc, label, fit_rows)
-    entry["commit"], entry["threads"], entry["absent"] = commit(), args.threads, {}
+    entry["commit"], entry["threads"], entry["absent"] = args.started_at, args.threads, {}
     if why := over_budget(doc, "linear head", len(fit_rows), args.epochs, deadline):
         entry["absent"] = {"linear head": why, "tuned prefix": over_budget(doc, "tuned prefix", len(fit_rows),
                                                                            args.epochs, deadline) or why}
@@ -252,6 +252,7 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="draw the curves of the --curves JSON files into this PNG")
     parser.add_argument("--curves", type=Path, nargs="+", default=[])
     args = parser.parse_args()
+    args.started_at = commit()  # the commit checked out when the run started: others may land while it runs
     if args.plot:
         plot(args.plot, args.curves)
         return
