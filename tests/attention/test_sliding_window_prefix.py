@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.attention.sliding_window import Window
-from prefixcache.cache.kv import PrefixKV
+from prefixcache.cache.kv import PrefixKV, build_in_chunks
 from prefixcache.engine.rows import last_hidden_packed, run_padded
 from prefixcache.errors import PromptError
 from prefixcache.model.load import build_random_model
@@ -96,3 +96,13 @@ def test_own_keys_outside_a_query_window_are_hidden_and_unknown_positions_are_re
     with pytest.raises(PromptError, match="3-token sliding window"):
         window.own_mask(seen, None)
     assert Window(8, 2, torch.tensor([[5, 6]])).own_mask(seen, None) is seen  # every window starts in the prefix
+
+
+@pytest.mark.parametrize("chunk", [1, 4, WINDOW, 9])
+def test_a_prefix_built_in_chunks_equals_one_built_whole_past_the_window(gemma, chunk):
+    """Each chunk attends to the stored chunks before it through the fork: inside its window only."""
+    ids = [(5 * i + 2) % VOCAB for i in range(20)]
+    whole_prefix = PrefixKV.build(gemma, ids)
+    *_, chunked = build_in_chunks(gemma, ids, chunk)
+    for got, want in zip((*chunked.keys, *chunked.values), (*whole_prefix.keys, *whole_prefix.values)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
