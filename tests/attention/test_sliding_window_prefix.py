@@ -106,3 +106,15 @@ def test_a_prefix_built_in_chunks_equals_one_built_whole_past_the_window(gemma, 
     *_, chunked = build_in_chunks(gemma, ids, chunk)
     for got, want in zip((*chunked.keys, *chunked.values), (*whole_prefix.keys, *whole_prefix.values)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_llama_cpp_placement_refuses_a_model_with_sliding_window_layers(gemma):
+    """llama.cpp keeps sliding-window layers in cells of their own, which the placement does not write: it refuses
+    before it decodes anything (the llama.cpp handle here only answers its RoPE type)."""
+    from types import SimpleNamespace
+
+    from prefixcache.errors import BackendError
+    from prefixcache.scheduler.torch_prefill import TorchPrefill
+
+    with pytest.raises(BackendError, match="sliding-window layers"):
+        TorchPrefill(gemma, SimpleNamespace(rope_type=2), scratch=0)
