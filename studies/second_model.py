@@ -32,9 +32,8 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tuning_study import TURNS, commit, data_task, ids_hash, records, split  # noqa: E402
+from tuning_study import TURNS, commit, data_task, figures, ids_hash, records, split  # noqa: E402
 
-from prefixcache.engine.confidence import confidence_and_correct, expected_calibration_error  # noqa: E402
 from prefixcache.eval.fit_curve import subset  # noqa: E402
 from prefixcache.eval.fit_head import fit_head, gold_indices, split_log_probs  # noqa: E402
 from prefixcache.model.load import DEFAULT_MODEL, load_model  # noqa: E402
@@ -92,11 +91,6 @@ def features(loaded, task, rows: list[dict], label: str) -> tuple[FeatureSet, in
     scores = scores - np.logaddexp.reduce(scores, axis=1, keepdims=True)  # over the labels
     return FeatureSet(own.ids, np.concatenate([last, mean], axis=1).astype(np.float32), scores.astype(np.float32),
                       tuple(task.labels), f"last+mean@{depth}", "", loaded.identity, dtype=str(loaded.dtype)), len(prefix)
-
-
-def figures(logprobs: np.ndarray, gold: np.ndarray) -> dict:
-    confidence, correct = confidence_and_correct(logprobs, gold)
-    return {"accuracy": float(correct.mean()), "ece": expected_calibration_error(confidence, correct)}
 
 
 def measure(spec: str, task_name: str, fit_rows: list[dict], scored_rows: list[dict], dtype: str) -> dict:

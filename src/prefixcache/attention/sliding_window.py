@@ -10,6 +10,7 @@ Padded rows see their own keys through the same rule, from the positions the for
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,15 +40,20 @@ class Window:
             positions = torch.arange(start, start + width, device=device)[None, :]  # [1, T]
         return cls(int(size), prefix_len, positions)
 
-    @property
+    @functools.cached_property
     def reach(self) -> torch.Tensor:
         """``[B|1, T]``: each query sees keys after this position."""
         return self.positions - self.size
 
+    @functools.cached_property
+    def furthest(self) -> int:
+        """The latest position after which some query's window starts (read from the tensor once per layer call)."""
+        return int(self.reach.max())
+
     def prefix_band(self) -> torch.Tensor | None:
         """bool ``[B|1, T, P]``: the prefix keys each query sees; None when every query sees the whole prefix. A
         query may see none (its window starts after the prefix)."""
-        if self.prefix_len == 0 or int(self.reach.max()) < 0:
+        if self.prefix_len == 0 or self.furthest < 0:
             return None
         keys = torch.arange(self.prefix_len, device=self.positions.device)  # [P]
         return keys[None, None, :] > self.reach[..., None]  # [B|1, T, P]
@@ -59,7 +65,7 @@ class Window:
         Raises:
             PromptError: a window starts inside the rows' own tokens and the fork did not record their positions.
         """
-        if int(self.reach.max()) < self.prefix_len:
+        if self.furthest < self.prefix_len:
             return mask
         if own_positions is None:
             raise PromptError(f"a record reaches past this model's {self.size}-token sliding window, and its tokens' "
@@ -76,7 +82,7 @@ class Window:
         Raises:
             PromptError: a row is longer than the window.
         """
-        if int(self.reach.max()) >= self.prefix_len:
+        if self.furthest >= self.prefix_len:
             longest = int(self.positions.max()) - self.prefix_len + 1
             raise PromptError(f"a record of {longest} tokens after a {self.prefix_len}-token prefix is longer than "
                               f"this model's {self.size}-token sliding window; rows laid end to end serve records of "

@@ -69,7 +69,7 @@ class PrefixKV:
         """
         if not token_ids:
             raise PromptError("the prefix is empty: nothing to cache")
-        _require_full_attention(model.config)
+        _require_attention_layers(model.config)
         with torch.inference_mode():
             device = next(model.parameters()).device
             ids = torch.tensor([list(token_ids)], device=device)  # [1, P]
@@ -149,7 +149,7 @@ class PrefixKV:
             raise ValueError("extend() needs at least one tail token; use copy()")
         if self.length == 0:
             return PrefixKV.build(model, tail_ids)
-        _require_full_attention(model.config)
+        _require_attention_layers(model.config)
         with torch.inference_mode():
             device = self.keys[0].device
             ids = torch.tensor([list(tail_ids)], device=device)  # [1, T]
@@ -223,7 +223,7 @@ class KVShape:
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")  # sliding: the attention's prefix band applies the window
 
 
-def _require_full_attention(config) -> None:
+def _require_attention_layers(config) -> None:
     """Refuse a decoder with layers that are not attention (linear attention, state-space, chunked).
 
     Sliding-window layers are served: their prefix is stored whole, and each record's queries see the part of it
