@@ -225,7 +225,7 @@ def shared_prefix_attention(
         out_p = out_p.view(kv_heads, batch, groups, width, head_dim).transpose(0, 1).reshape(query.shape)
         lse_p = lse_p.view(kv_heads, batch, groups, width).transpose(0, 1).reshape(batch, heads, width)
         out = _merge(out, lse, out_p, lse_p)
-    if window is not None:  # a pad far past its row's window sees no key at all: 0, not NaN
+    if window is not None and window.furthest >= prefix_len - 1:  # a pad far past its window may see no key: 0, not NaN
         out = out.nan_to_num(0.0)
     return out.transpose(1, 2).contiguous(), None
 
