@@ -124,10 +124,16 @@ def over_budget(doc: dict, method: str, fit_rows: int, epochs: int, deadline: fl
             **guess}
 
 
-def point_entry(doc: dict, label: str, fit_rows: list[dict]) -> dict:
-    """The JSON entry of a point, emptied of any earlier measurement of it."""
+def point_entry(doc: dict, label: str, fit_rows: list[dict], keep_head: bool) -> dict:
+    """The JSON entry of a point, emptied of any earlier measurement of it; with ``keep_head``, a linear head
+    measured earlier on the same fitted rows is kept, with the commit and threads of its run."""
+    earlier = next((p for p in doc["points"] if p["per_label"] == label), None)
     doc["points"] = [p for p in doc["points"] if p["per_label"] != label]
     entry = {"per_label": label, "fit_rows": len(fit_rows), "fit_ids_sha256": ids_hash(fit_rows), "results": {}}
+    if keep_head and earlier and earlier["fit_ids_sha256"] == entry["fit_ids_sha256"] \
+            and "linear head" in earlier["results"]:
+        entry["results"]["linear head"] = {"commit": earlier.get("commit"), "threads": earlier.get("threads"),
+                                           **earlier["results"]["linear head"]}
     doc["points"].append(entry)
     doc["points"].sort(key=lambda p: float("inf") if p["per_label"] == "all" else p["per_label"])
     return entry
@@ -137,16 +143,17 @@ def run_point(ctx, label, fit_rows: list[dict], deadline: float, bar) -> None:
     """The three fitted methods at one point, each written to the JSON as soon as it is scored; a method expected
     to end past ``deadline`` is not run, and the JSON says why."""
     args, loaded, task, scored, doc = ctx
-    entry = point_entry(doc, label, fit_rows)
-    entry["commit"], entry["threads"], entry["absent"] = args.started_at, args.threads, {}
-    if why := over_budget(doc, "linear head", len(fit_rows), args.epochs, deadline):
-        entry["absent"] = {"linear head": why, "tuned prefix": over_budget(doc, "tuned prefix", len(fit_rows),
-                                                                           args.epochs, deadline) or why}
-        return save(args, doc, loaded)
-    bar.set_postfix_str(f"{label}/intent: linear head")
-    head, seconds = linear_head(loaded, task, fit_rows, args.seed)
-    entry["results"]["linear head"] = scored_figures(loaded, task, head, scored) | {"fit_seconds": seconds}
-    save(args, doc, loaded)
+    entry = point_entry(doc, label, fit_rows, args.keep_head)
+    entry["commit"], entry["threads"], entry["epochs"], entry["absent"] = args.started_at, args.threads, args.epochs, {}
+    if "linear head" not in entry["results"]:
+        if why := over_budget(doc, "linear head", len(fit_rows), args.epochs, deadline):
+            entry["absent"] = {"linear head": why, "tuned prefix": over_budget(doc, "tuned prefix", len(fit_rows),
+                                                                               args.epochs, deadline) or why}
+            return save(args, doc, loaded)
+        bar.set_postfix_str(f"{label}/intent: linear head")
+        head, seconds = linear_head(loaded, task, fit_rows, args.seed)
+        entry["results"]["linear head"] = scored_figures(loaded, task, head, scored) | {"fit_seconds": seconds}
+        save(args, doc, loaded)
     if why := over_budget(doc, "tuned prefix", len(fit_rows), args.epochs, deadline):
         entry["absent"]["tuned prefix"] = why
         return save(args, doc, loaded)
@@ -248,6 +255,8 @@ def main() -> None:
                         "the prompt alone's figures from, instead of scoring it")
     parser.add_argument("--budget-minutes", type=float, default=90.0,
                         help="a tuned prefix expected to end past this is not run (the JSON says why)")
+    parser.add_argument("--keep-head", action="store_true",
+                        help="keep a point's linear head measured earlier on the same fitted rows, tune only")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, help="draw the curves of the --curves JSON files into this PNG")
     parser.add_argument("--curves", type=Path, nargs="+", default=[])

@@ -141,7 +141,7 @@ def figures(logprobs: np.ndarray, gold: np.ndarray) -> dict:
     to ``COVERAGE`` of them (rows of equal confidence accepted together, so the coverage reached is recorded)."""
     confidence, correct = confidence_and_correct(logprobs, gold)
     curve = risk_coverage(confidence, correct)
-    at = int(np.searchsorted(curve.coverage, COVERAGE - 1e-9))
+    at = curve.reaching(COVERAGE)
     return {"accuracy": float(correct.mean()), "ece": expected_calibration_error(confidence, correct),
             "accuracy_at_coverage": float(curve.accuracy[at]), "coverage": float(curve.coverage[at])}
 

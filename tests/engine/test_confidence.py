@@ -72,6 +72,19 @@ def test_a_threshold_for_a_target_reaches_it_on_the_rows_it_was_chosen_on(rows, 
         assert correct[confidence >= t].mean() < target
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0.2, 0.5, 0.7, 0.9, 1.0]), st.booleans()), min_size=1, max_size=40),
+       st.floats(0.01, 1.0))
+def test_accuracy_at_a_coverage_counts_rows_and_accepts_ties_together(rows, share):
+    confidence, correct = np.array([r[0] for r in rows]), np.array([r[1] for r in rows])
+    curve = risk_coverage(confidence, correct)
+    # brute force: the highest threshold among the confidences that accepts at least `share` of the rows
+    threshold = max(t for t in set(confidence.tolist()) if (confidence >= t).mean() >= share - 1e-12)
+    accepted = confidence >= threshold
+    assert curve.coverage[curve.reaching(share)] == pytest.approx(accepted.mean())
+    assert curve.at_coverage(share) == pytest.approx(correct[accepted].mean())
+
+
 def prediction(probabilities):
     return Prediction("r", LabelScores(("a", "b", "c"), tuple(np.log(probabilities))))
 

@@ -66,6 +66,26 @@ def curve_cell(row: dict | None) -> str:
     return f"{100 * row['accuracy']:.1f}% ({100 * row['ece']:.1f}%{fit})"
 
 
+def usual_threads(doc: dict) -> int:
+    """The torch threads most of a curve's points ran on (the caption's figure; a point that differs says so)."""
+    threads = [p.get("threads", doc["machine"]["threads"]) for p in doc["points"]] or [doc["machine"]["threads"]]
+    return max(threads, key=threads.count)
+
+
+def point_run_notes(doc: dict, point: dict) -> list[str]:
+    """What differs at one point of a curve from its data set's caption: the torch threads or the epochs its tuning
+    ran with, and a linear head kept from an earlier run (its commit and threads)."""
+    out, label = [], f"{doc['data']}, {point['per_label']}"
+    threads, epochs = point.get("threads", doc["machine"]["threads"]), point.get("epochs", doc["epochs"])
+    if threads != usual_threads(doc) or epochs != doc["epochs"]:
+        out.append(f"{label}: {threads} torch thread(s), at most {epochs} tuning epochs")
+    head = point["results"].get("linear head", {})
+    if head.get("commit"):
+        out.append(f"{label}: the linear head from an earlier run (commit {head['commit']}, {head['threads']} torch "
+                   f"thread(s))")
+    return out
+
+
 def curves_table(docs: list[dict]) -> str:
     """``studies/tuning_curves.py`` runs, one table per data set: each method's held-out accuracy (calibration error,
     fit time) at each number of labelled rows per intent, every point scored on the same held-out rows."""
@@ -81,6 +101,7 @@ def curves_table(docs: list[dict]) -> str:
         notes.append(f"{doc['data']} (`{doc['task']}`, {doc['labels']} labels, {doc['scored_rows']} held-out rows, "
                      f"commits {commits}, {doc['date']})")
         for p in points:
+            notes.extend(point_run_notes(doc, p))
             for method in CURVE_METHODS:
                 why = p.get("absent", {}).get(method)
                 if why:
@@ -89,7 +110,7 @@ def curves_table(docs: list[dict]) -> str:
             notes.append(f"{doc['data']}: the prompt alone from {doc['prompt']['source']}")
     commands = ", ".join(f"`{c}`" for d in docs for c in d["runs"])
     bare = {**docs[0], "machine": {k: v for k, v in docs[0]["machine"].items() if k != "command"}}
-    facts = (f"{docs[0]['model']}, {docs[0]['machine']['threads']} torch thread(s), at most {docs[0]['epochs']} "
+    facts = (f"{docs[0]['model']}, {usual_threads(docs[0])} torch thread(s), at most {docs[0]['epochs']} "
              f"tuning epochs; {'; '.join(notes)}; the commands: "
              f"{commands}")
     return "\n".join(out) + caption(bare, facts)

@@ -137,10 +137,14 @@ class RiskCoverage:
     coverage: np.ndarray
     accuracy: np.ndarray
 
+    def reaching(self, share: float) -> int:
+        """The index of the highest threshold whose accepted rows are at least ``share`` of all rows (the last one,
+        every row, where none is). Tied rows are accepted together, so ``coverage[k]`` may exceed ``share``."""
+        return min(int(np.searchsorted(self.coverage, share - 1e-12)), len(self.coverage) - 1)
+
     def at_coverage(self, share: float) -> float:
-        """Accuracy of the most confident ``share`` of the rows (at least one row)."""
-        k = max(1, int(np.ceil(share * len(self.coverage)))) - 1
-        return float(self.accuracy[k])
+        """Accuracy of the rows accepted by the highest threshold that accepts at least ``share`` of the rows."""
+        return float(self.accuracy[self.reaching(share)])
 
 
 def risk_coverage(confidence, correct) -> RiskCoverage:
