@@ -47,7 +47,7 @@ from accuracy_study import (  # noqa: E402  (the data sets and splits of the hea
 )
 
 from prefixcache.engine.confidence import (  # noqa: E402
-    confidence_and_correct, expected_calibration_error, risk_coverage,
+    calibration_error_floor, confidence_and_correct, expected_calibration_error, risk_coverage,
 )
 from prefixcache.engine.scoring import LabelScorer  # noqa: E402
 from prefixcache.eval.fit_head import fit_head  # noqa: E402
@@ -138,11 +138,14 @@ def with_prompt_examples(task, fit_rows: list[dict], scored_rows: list[dict], k:
 def figures(logprobs: np.ndarray, gold: np.ndarray) -> dict:
     """Accuracy and calibration error of label log-probs ``[N, L]`` as ``classify`` gives them (calibrated by the
     head's stored temperature, where it has one), and the accuracy of the rows accepted most confident first down
-    to ``COVERAGE`` of them (rows of equal confidence accepted together, so the coverage reached is recorded)."""
+    to ``COVERAGE`` of them (rows of equal confidence accepted together, so the coverage reached is recorded); and the
+    calibration error a perfectly calibrated model would show with the same confidences on as many rows."""
     confidence, correct = confidence_and_correct(logprobs, gold)
     curve = risk_coverage(confidence, correct)
     at = curve.reaching(COVERAGE)
+    floor, floor_95 = calibration_error_floor(confidence)
     return {"accuracy": float(correct.mean()), "ece": expected_calibration_error(confidence, correct),
+            "ece_floor": floor, "ece_floor_p95": floor_95,
             "accuracy_at_coverage": float(curve.accuracy[at]), "coverage": float(curve.coverage[at])}
 
 

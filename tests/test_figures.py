@@ -173,6 +173,8 @@ def test_the_tuning_table_shows_the_prompts_examples_and_the_accuracy_of_the_mos
     assert ("| banking77 (770 fitted -> 308 scored, 3000-token prompt, 1 fitted row(s) per intent as its examples) "
             "| linear head | 80.0% | 5.0% | 1 min | 90.0 | 95.0% at 65% |") in table
     assert "the commands: `study b77` (commit abc1234, 2026-12-07)" in table
+    floored = tables.tuning_table([{**doc, "results": {"linear head": row | {"ece_floor": 0.03, "ece_floor_p95": 0.041}}}])
+    assert "| linear head | 80.0% | 5.0% (noise: up to 4.1%) | 1 min |" in floored
     assert "most confident" not in tables.tuning_table([{**doc, "results": {"linear head": {
         k: v for k, v in row.items() if k not in ("accuracy_at_coverage", "coverage")}}}])
 

@@ -8,7 +8,8 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
 from prefixcache.engine.confidence import (
-    Calibration, Trust, expected_calibration_error, fit_temperature, reliability, risk_coverage, threshold_for_accuracy,
+    Calibration, Trust, calibration_error_floor, expected_calibration_error, fit_temperature, reliability,
+    risk_coverage, threshold_for_accuracy,
 )
 from prefixcache.types import LabelScores, Prediction
 
@@ -83,6 +84,23 @@ def test_accuracy_at_a_coverage_counts_rows_and_accepts_ties_together(rows, shar
     accepted = confidence >= threshold
     assert curve.coverage[curve.reaching(share)] == pytest.approx(accepted.mean())
     assert curve.at_coverage(share) == pytest.approx(correct[accepted].mean())
+
+
+@pytest.mark.parametrize("rows, p", [(10, 0.7), (40, 0.9), (5, 0.5)])
+def test_the_calibration_error_floor_is_the_binomial_noise_of_a_calibrated_model(rows, p):
+    from math import comb
+    exact = sum(comb(rows, k) * p ** k * (1 - p) ** (rows - k) * abs(k / rows - p) for k in range(rows + 1))
+    mean, p95 = calibration_error_floor(np.full(rows, p), draws=40_000)
+    assert mean == pytest.approx(exact, abs=0.004)
+    assert p95 > mean
+
+
+def test_the_calibration_error_floor_shrinks_with_rows_and_is_zero_for_certain_rows():
+    confidence = np.random.default_rng(1).uniform(0.3, 1.0, 3000)
+    assert calibration_error_floor(confidence[:3000])[0] < calibration_error_floor(confidence[:100])[0] / 3
+    assert calibration_error_floor(np.ones(50)) == (0.0, 0.0)
+    with pytest.raises(ValueError):
+        calibration_error_floor([])
 
 
 def prediction(probabilities):

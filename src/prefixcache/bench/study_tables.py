@@ -13,7 +13,8 @@ def tuning_table(docs: list[dict]) -> str:
     prefix with a head refitted on its states and LoRA on the weights, on rows held out of every fit. A row that
     carries its own ``run`` (``--only``: measured by a later run, merged into the file) is named in the caption with
     that run's commit, date, threads, load and command. Where rows carry ``accuracy_at_coverage``, a column gives
-    it (the accuracy of the most confident rows, at the ``coverage`` reached)."""
+    it (the accuracy of the most confident rows, at the ``coverage`` reached); where they carry ``ece_floor_p95``,
+    the calibration error names it as the noise a perfectly calibrated model would show."""
     rows, later = [], {}
     covered = any("accuracy_at_coverage" in row for doc in docs for row in doc["results"].values())
     for doc in docs:
@@ -22,7 +23,7 @@ def tuning_table(docs: list[dict]) -> str:
         shown = doc.get("prompt_examples_per_label")
         where += f", {shown} fitted row(s) per intent as its examples)" if shown else ")"
         for name, row in doc["results"].items():
-            rows.append([where, name, f"{100 * row['accuracy']:.1f}%", f"{100 * row['ece']:.1f}%",
+            rows.append([where, name, f"{100 * row['accuracy']:.1f}%", error_cell(row),
                          duration(row["fit_seconds"]) if row["fit_seconds"] else "–", ms(row["ms_per_record"])])
             if covered:
                 rows[-1].append(f"{100 * row['accuracy_at_coverage']:.1f}% at {100 * row['coverage']:.0f}%"
@@ -37,6 +38,13 @@ def tuning_table(docs: list[dict]) -> str:
             later_run(data, names, json.loads(run)) for (data, run), names in later.items())
     header = ["data", "method", "accuracy", "calibration error", "fit", "ms / record (batched)"]
     return md_table(header + ["accuracy of the most confident rows"] * covered, rows) + caption(bare, facts)
+
+
+def error_cell(row: dict) -> str:
+    """A row's calibration error, and where measured, what a perfectly calibrated model would show on as many rows
+    with the same confidences (the 95th percentile of its simulated errors)."""
+    floor = row.get("ece_floor_p95")
+    return f"{100 * row['ece']:.1f}%" + (f" (noise: up to {100 * floor:.1f}%)" if floor is not None else "")
 
 
 def study_command(doc: dict) -> str:

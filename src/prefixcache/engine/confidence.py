@@ -119,6 +119,25 @@ def expected_calibration_error(confidence, correct, bins: int = BINS) -> float:
     return float(total / len(p))
 
 
+def calibration_error_floor(confidence, bins: int = BINS, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """The calibration error a perfectly calibrated model would measure with these confidences on this many rows:
+    the mean and the 95th percentile over ``draws`` simulated outcomes, each row right with probability equal to its
+    confidence. A measured error below the 95th percentile cannot be told apart from perfect calibration.
+
+    Raises:
+        ValueError: no rows.
+    """
+    p = np.asarray(confidence, np.float64)  # [N]
+    if len(p) == 0:
+        raise ValueError("the calibration error of no rows is undefined")
+    which = np.clip(np.ceil(p * bins).astype(int) - 1, 0, bins - 1)
+    members = np.eye(bins)[which]  # [N, bins]
+    right = np.random.default_rng(seed).random((draws, len(p))) < p  # [draws, N]
+    gap = np.abs(right @ members - p @ members)  # [draws, bins]: right rows against summed confidence, per bin
+    errors = gap.sum(axis=1) / len(p)  # [draws]
+    return float(errors.mean()), float(np.quantile(errors, 0.95))
+
+
 def reliability(confidence, correct, bins: int = BINS) -> list[dict]:
     """Per non-empty bin: its range, rows, mean confidence and accuracy (what a reliability diagram draws)."""
     p, ok = np.asarray(confidence, np.float64), np.asarray(correct, np.float64)
