@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from prefixcache.attention.sliding_window import Window
 from prefixcache.cache.kv import PrefixKV, build_in_chunks
-from prefixcache.engine.rows import last_hidden_packed, run_padded
+from prefixcache.engine.rows import empty_prefix, last_hidden_packed, run_padded
 from prefixcache.errors import PromptError
 from prefixcache.model.load import build_random_model
 
@@ -59,17 +59,31 @@ def test_rows_over_a_shared_prefix_equal_the_whole_encoding_in_sliding_window_la
                                    msg=lambda m: f"prefix {len(prefix)}, row {row}: {m}")
 
 
-def test_a_record_longer_than_the_window_is_refused_when_laid_end_to_end_and_served_padded(gemma):
-    """Packed rows attend to their own tokens causally, without the model's mask, so a record longer than the
-    window is refused there (naming the window); padded rows read the window from the model's mask and serve it."""
-    prefix, long_row = list(range(10)), [(7 * i) % VOCAB for i in range(WINDOW + 3)]
-    stored = PrefixKV.build(gemma, prefix)
-    with pytest.raises(PromptError, match=f"longer than this model's {WINDOW}-token sliding window"):
-        last_hidden_packed(gemma, stored, [[1, 2], long_row])
+@settings(max_examples=25, deadline=None)
+@given(prefix=st.lists(tokens, min_size=0, max_size=12),
+       rows=st.lists(st.lists(tokens, min_size=1, max_size=3 * WINDOW), min_size=1, max_size=4))
+def test_records_longer_than_the_window_equal_the_whole_encoding_packed_and_padded(gemma, prefix, rows):
+    """A record past its window sees only its own keys inside it: laid end to end (the window from the positions
+    the model passes) and padded (from the model's mask) alike."""
+    stored = PrefixKV.build(gemma, prefix) if prefix else empty_prefix(gemma)
+    packed = last_hidden_packed(gemma, stored, rows)  # [B, H]
     with torch.inference_mode():
-        got = run_padded(gemma, stored, [[1, 2], long_row]).last  # [2, H]
-    torch.testing.assert_close(got[1], whole(gemma, prefix, long_row), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got[0], whole(gemma, prefix, [1, 2]), atol=1e-4, rtol=1e-4)
+        padded = run_padded(gemma, stored, rows).last  # [B, H]
+    for i, row in enumerate(rows):
+        expected = whole(gemma, prefix, row)
+        torch.testing.assert_close(packed[i], expected, atol=1e-4, rtol=1e-4, msg=lambda m: f"packed {row}: {m}")
+        torch.testing.assert_close(padded[i], expected, atol=1e-4, rtol=1e-4, msg=lambda m: f"padded {row}: {m}")
+
+
+def test_a_packed_window_mask_is_causal_inside_each_rows_window():
+    from prefixcache.attention.shared_prefix import Packing
+
+    packing = Packing.of([4, 2], "cpu")
+    window = Window(2, 3, torch.tensor([[3, 4, 5, 6, 3, 4]]))  # two rows after a 3-token prefix, laid end to end
+    assert window.packed_own_mask(packing).tolist() == [
+        [[[True, False, False, False], [True, True, False, False], [False, True, True, False], [False, False, True, True]]],
+        [[[True, False, False, False], [True, True, False, False], [True, True, True, False], [True, True, True, True]]]]
+    assert Window(4, 3, torch.tensor([[3, 4, 5, 6, 3, 4]])).packed_own_mask(packing) is None  # windows start in it
 
 
 def band(positions, size, prefix_len):

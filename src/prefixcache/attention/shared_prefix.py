@@ -202,13 +202,13 @@ def shared_prefix_attention(
     scale = head_dim**-0.5 if scaling is None else scaling
 
     kv_heads = key.own.shape[1]
-    if key.own_parts is not None or key.packing is not None:
+    if key.own_parts is not None:
         if window is not None:
             window.require_rows_inside()
-        if key.own_parts is not None:
-            out, lse = _own_parts(query, key.own, value.own, key.own_parts, scale)  # [1, H, N, d], [1, H, N]
-        else:
-            out, lse = _own_packed(query, key.own, value.own, key.packing, scale)  # [1, H, N, d], [1, H, N]
+        out, lse = _own_parts(query, key.own, value.own, key.own_parts, scale)  # [1, H, N, d], [1, H, N]
+    elif key.packing is not None:
+        own_mask = None if window is None else window.packed_own_mask(key.packing)  # [B, 1, T, T] or None: causal
+        out, lse = _own_packed(query, key.own, value.own, key.packing, own_mask, scale)  # [1, H, N, d], [1, H, N]
     else:
         own_mask = _own_mask(attention_mask, prefix_len, width, own_len, query.device)  # [B|1, 1, T, S] or None: causal
         if window is not None:
@@ -248,11 +248,12 @@ def _own_grouped(query, keys, values, mask, scale) -> tuple[torch.Tensor, torch.
     return out.view(query.shape), lse.reshape(batch, heads, width)
 
 
-def _own_packed(query, keys, values, packing: Packing, scale) -> tuple[torch.Tensor, torch.Tensor]:
+def _own_packed(query, keys, values, packing: Packing, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed rows ``[1, H, N, d]`` each against its own tokens ``[1, kv, N, d]``: unpacked to right-padded
     rows, where causality alone keeps every real query off the pads (they follow its row's last
-    token), then packed back. Returns ``([1, H, N, d], lse [1, H, N])``."""
-    out, lse = _own_grouped(packing.unpack(query), packing.unpack(keys), packing.unpack(values), None, scale)
+    token), then packed back. ``mask`` ``[B, 1, T, T]`` (a sliding window's) narrows the causal one; None: causal.
+    Returns ``([1, H, N, d], lse [1, H, N])``."""
+    out, lse = _own_grouped(packing.unpack(query), packing.unpack(keys), packing.unpack(values), mask, scale)
     return packing.pack(out), packing.pack(lse[..., None])[..., 0]
 
 

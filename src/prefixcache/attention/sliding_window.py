@@ -4,8 +4,9 @@
 A key at position ``j`` is visible to a query at position ``q`` when ``q - window < j <= q`` (transformers' sliding
 window). The prefix is stored whole, so a record's queries see only its last part: :meth:`Window.prefix_band`.
 Padded rows see their own keys through the same rule, from the positions the fork recorded for them
-(:meth:`Window.own_mask`); rows laid end to end are attended causally, so each must fit inside the window
-(:meth:`Window.require_rows_inside`).
+(:meth:`Window.own_mask`), and rows laid end to end see theirs by the positions the model passes for them
+(:meth:`Window.packed_own_mask`). A step over a slot store attends each row's stored own keys causally, so there a
+row must fit inside the window (:meth:`Window.require_rows_inside`).
 """
 
 from __future__ import annotations
@@ -76,8 +77,19 @@ class Window:
             mask = torch.ones(width, width, dtype=torch.bool, device=inside.device).tril()[None, None]  # [1, 1, T, S]
         return mask & inside
 
+    def packed_own_mask(self, packing) -> torch.Tensor | None:
+        """bool ``[B, 1, T, T]``: for rows laid end to end (``positions`` packed, ``[1, N]``), unpacked to right-padded
+        rows by ``packing`` (a :class:`~prefixcache.attention.shared_prefix.Packing`), the row's own keys each
+        query sees: causal, and inside its window. None (causal alone) when every window starts in the prefix."""
+        if self.furthest < self.prefix_len:
+            return None
+        at = packing.unpack(self.positions[:, None, :, None])[..., 0]  # [B, 1, T]: each token's position; pads 0
+        width = at.shape[-1]
+        causal = torch.ones(width, width, dtype=torch.bool, device=at.device).tril()  # [T, T]
+        return causal & (at[..., None, :] > at[..., :, None] - self.size)  # [B, 1, T, T]
+
     def require_rows_inside(self) -> None:
-        """Rows laid end to end attend to their own tokens causally, without a window.
+        """A step over a slot store attends each row's stored own keys causally, without a window.
 
         Raises:
             PromptError: a row is longer than the window.
@@ -85,5 +97,5 @@ class Window:
         if self.furthest >= self.prefix_len:
             longest = int(self.positions.max()) - self.prefix_len + 1
             raise PromptError(f"a record of {longest} tokens after a {self.prefix_len}-token prefix is longer than "
-                              f"this model's {self.size}-token sliding window; rows laid end to end serve records of "
+                              f"this model's {self.size}-token sliding window; a step over a slot store serves rows of "
                               f"at most {self.size} tokens")
