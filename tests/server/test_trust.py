@@ -28,6 +28,9 @@ def test_a_task_threshold_abstains_and_metrics_count_it(tiny_llama):
         _, _, metrics = call(server, "GET", "/metrics")
         upload = TASK_YAML.replace("tiny-tickets", "up") + "calibration: x.json\n"
         refused = call(server, "PUT", "/v1/tasks/up", raw=upload.encode(), headers={"Content-Type": "application/yaml"})
+        templated = TASK_YAML.replace("tiny-tickets", "up") + 'chat_template: "{{ messages[0].content }}"\n'
+        no_template = call(server, "PUT", "/v1/tasks/up", raw=templated.encode(),
+                           headers={"Content-Type": "application/yaml"})
     counted = {}
     for line in metrics.splitlines():
         if line.startswith("prefixcache_abstentions_total{"):
@@ -35,3 +38,4 @@ def test_a_task_threshold_abstains_and_metrics_count_it(tiny_llama):
             assert 'task="strict"' in line
     assert sum(counted.values()) == 3 and set(counted) == {r["best_guess"] for r in results}
     assert refused[0] == 422 and "calibration" in refused[2]["detail"]
+    assert no_template[0] == 422 and "chat_template" in no_template[2]["detail"]  # the server renders no sent template

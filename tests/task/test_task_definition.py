@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,29 @@ def test_a_template_with_a_format_spec_or_conversion_is_refused_naming_the_field
     body = f"name: t\ninstruction: x\nlabels: {{a: first, b: second}}\ninput_template: {json.dumps(template)}\n"
     with pytest.raises(TaskError, match=r"t.yaml:4: field 'input_template'.*format spec or conversion; write it as \{text\}"):
         parse_task(body, "t.yaml")
+
+
+def test_a_chat_template_that_does_not_parse_is_refused_naming_the_field():
+    text = TASK_YAML + 'chat_template: "{% for m in messages %}{{ m.content }}"\n'
+    with pytest.raises(TaskError, match=r"t.yaml:\d+: field 'chat_template': not a valid chat template: .*line 1"):
+        parse_task(text, "t.yaml")
+
+
+def test_every_task_file_under_docs_loads():
+    files = sorted((Path(__file__).resolve().parents[2] / "docs" / "tasks").glob("*.yaml"))
+    assert len(files) >= 9
+    for path in files:
+        assert load_task(path).name == path.stem
+
+
+def test_the_gemma_task_gives_a_tokenizer_without_a_template_gemmas_turns():
+    from prefixcache.task.prompt import build_prompt
+    from tests.support.models import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = None
+    task = load_task(Path(__file__).resolve().parents[2] / "docs" / "tasks" / "support-tickets-gemma.yaml")
+    prompt = build_prompt(task, tokenizer)
+    assert "<start_of_turn>user\nClassify" in prompt.prefix_text
+    assert prompt.prefix_text.count("<start_of_turn>model\n") == 12  # one answer per few-shot example
+    assert prompt.tail_text.endswith("<end_of_turn>\n<start_of_turn>model\n")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from prefixcache.errors import LabelCollisionError, PromptError
@@ -153,6 +155,37 @@ def test_no_chat_template_is_a_clear_error(task):
     tok.chat_template = None
     with pytest.raises(PromptError, match="chat template"):
         build_prompt(task, tok)
+
+
+TURNS = ('{% for m in messages %}### {{ m.role | upper }}:\n{{ m.content }}\n\n{% endfor %}'
+         '{% if add_generation_prompt %}### ASSISTANT:\n{% endif %}')
+
+
+def test_a_tasks_chat_template_lays_out_the_prompt_for_a_tokenizer_without_one(tiny_llama, texts, monkeypatch):
+    """A base model's tokenizer has no chat template; the task's gives the prompt its turns, and the cached path
+    still equals re-encoding every whole prompt."""
+    monkeypatch.setattr(tiny_llama.tokenizer, "chat_template", None)
+    with pytest.raises(PromptError, match="chat_template:"):
+        build_prompt(_task(), tiny_llama.tokenizer)
+    task = parse_task(TASK_YAML + f"chat_template: {json.dumps(TURNS)}\n", "t.yaml")
+    prompt = build_prompt(task, tiny_llama.tokenizer)
+    assert prompt.prefix_text.startswith("### SYSTEM:\nClassify") and "<|im_start|>" not in prompt.prefix_text
+    assert prompt.tail_text.endswith("### ASSISTANT:\n")
+    classifier = Classifier(tiny_llama, task)
+    records, stats = records_from_texts(texts), RunStats()
+    candidate = classifier.classify_all(records, RunConfig("batched", 4), stats=stats)
+    assert_cached_path_ran(classifier, records, candidate, stats)
+    agreement = compare(classifier.classify_all(records, RunConfig("full", 1)), candidate)
+    assert agreement.ok and agreement.max_abs_logprob_diff < 1e-4, f"cached differs from full: {agreement}"
+
+
+def test_a_tasks_chat_template_replaces_the_tokenizers_and_its_failures_name_it(tiny_llama):
+    own = build_prompt(_task(), tiny_llama.tokenizer)
+    task = parse_task(TASK_YAML + f"chat_template: {json.dumps(TURNS)}\n", "t.yaml")
+    assert build_prompt(task, tiny_llama.tokenizer).prefix_ids != own.prefix_ids
+    refusing = parse_task(TASK_YAML + "chat_template: \"{{ raise_exception('no system turns here') }}\"\n", "t.yaml")
+    with pytest.raises(PromptError, match="the task's chat template cannot render the prompt: no system turns here"):
+        build_prompt(refusing, tiny_llama.tokenizer)
 
 
 def test_template_lead_and_multi_field_templates(tiny_llama):

@@ -39,7 +39,8 @@ def parse_upload(
     Raises:
         TaskTooLargeError: the body is over ``settings.max_task_bytes`` (nothing of it is read).
         TaskUploadError: an unsupported media type, a body that is not UTF-8, more labels or examples than
-            the settings allow, a name that differs from the URL's, or a ``head:`` file.
+            the settings allow, a name that differs from the URL's, a ``head:`` or ``calibration:`` file, or a
+            ``chat_template:``.
         TaskError: the task itself is invalid (naming the line and the field).
     """
     if len(body) > settings.max_task_bytes:
@@ -61,6 +62,9 @@ def parse_upload(
     if getattr(task, "head", None) is not None:
         raise TaskUploadError("an uploaded task cannot name a head file (head:): the server reads no file a request "
                               "names; start the server with a task file that names its head")
+    if task.chat_template is not None:
+        raise TaskUploadError("an uploaded task cannot carry a chat template (chat_template:): the server renders no "
+                              "template a request sends; start the server with a task file that has it")
     if getattr(task, "calibration", None) is not None:
         raise TaskUploadError("an uploaded task cannot name a calibration file (calibration:): the server reads no file "
                               "a request names; start the server with a task file that names it")

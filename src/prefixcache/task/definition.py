@@ -80,6 +80,8 @@ class Task(BaseModel):
     calibration: str | None = Field(default=None, min_length=1)
     min_confidence: float | None = Field(default=None, ge=0.0, le=1.0)  # abstain under this confidence
     target_accuracy: float | None = Field(default=None, gt=0.0, le=1.0)  # abstain so that accepted rows reach it
+    # a Jinja chat template to lay the prompt out with, in place of the tokenizer's (a base model has none)
+    chat_template: str | None = Field(default=None, min_length=1)
 
     @field_validator("labels")
     @classmethod
@@ -101,6 +103,11 @@ class Task(BaseModel):
         if not fields:
             raise ValueError("must name at least one record field, for example '{text}'")
         return template
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template_parses(cls, source: str | None) -> str | None:
+        return chat_template_checked(source)
 
     @model_validator(mode="after")
     def _one_threshold(self) -> Task:
@@ -208,6 +215,7 @@ class ExtractTask(BaseModel):
     max_new_tokens: int = Field(default=64, ge=1, le=4096)
     stop: list[str] = Field(default_factory=list)
     pin: bool = False
+    chat_template: str | None = Field(default=None, min_length=1)  # as Task's
 
     @field_validator("fields")
     @classmethod
@@ -220,6 +228,11 @@ class ExtractTask(BaseModel):
     @classmethod
     def _template_names_fields(cls, template: str) -> str:
         return Task._template_names_fields(template)
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template_parses(cls, source: str | None) -> str | None:
+        return chat_template_checked(source)
 
     @field_validator("stop")
     @classmethod
@@ -316,6 +329,25 @@ def parse_task(
         if len(problems) > MAX_REPORTED_PROBLEMS:
             lines.append(f"... and {len(problems) - MAX_REPORTED_PROBLEMS} more problems")
         raise TaskError("invalid task file\n  " + "\n  ".join(lines)) from None
+
+
+def chat_template_checked(source: str | None) -> str | None:
+    """``source`` when it parses as a chat template (None stays None).
+
+    Raises:
+        ValueError: it does not parse (the message names the template's line).
+    """
+    if source is None:
+        return None
+    from jinja2 import TemplateSyntaxError
+
+    from .chat_template import compile_template
+
+    try:
+        compile_template(source)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"not a valid chat template: {exc.message} (line {exc.lineno} of the template)") from None
+    return source
 
 
 def _whole_task_problems(data: dict) -> list[tuple[tuple, str]]:

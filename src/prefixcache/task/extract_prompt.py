@@ -67,5 +67,5 @@ def build_extract_prompt(task: ExtractTask, tokenizer) -> ExtractPrompt:
     Raises:
         PromptError: no chat template, a sentinel problem, or an unhealable boundary.
     """
-    split = split_at_sentinel(tokenizer, render_extract_messages(task))
+    split = split_at_sentinel(tokenizer, render_extract_messages(task), task.chat_template)
     return ExtractPrompt(task, split.prefix_text, _lead(task), split.tail_text, split.prefix_ids, split.heal, split.restart)

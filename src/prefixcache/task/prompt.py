@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from jinja2 import TemplateError
+
 from ..errors import InputError, PromptError
 from .label_set import LabelSet
 from .restart import Restart, tokenize_prompts
@@ -173,15 +175,23 @@ class SentinelSplit:
     restart: Restart | None
 
 
-def split_at_sentinel(tokenizer, messages: list[dict[str, str]]) -> SentinelSplit:
-    """Render ``messages`` with the tokenizer's chat template (plus the generation prompt) and split at the sentinel.
+def split_at_sentinel(tokenizer, messages: list[dict[str, str]], template: str | None = None) -> SentinelSplit:
+    """Render ``messages`` with ``template`` (the task's ``chat_template``), else the tokenizer's chat template, plus
+    the generation prompt, and split at the sentinel.
 
     Raises:
-        PromptError: no chat template, the sentinel not kept exactly once, or an unhealable boundary.
+        PromptError: no chat template, one that fails on the messages, the sentinel not kept exactly once, or an
+            unhealable boundary.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise PromptError("this tokenizer has no chat template; use an instruction-tuned (chat) model")
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise PromptError("this tokenizer has no chat template; use an instruction-tuned (chat) model, or give the "
+                          "task one (chat_template:)")
+    try:
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 chat_template=template)
+    except TemplateError as exc:
+        which = "the task's chat template" if template is not None else "the tokenizer's chat template"
+        raise PromptError(f"{which} cannot render the prompt: {exc}") from None
     if rendered.count(SENTINEL) != 1:
         raise PromptError("the chat template did not keep the record placeholder exactly once")
     prefix_text, tail_text = rendered.split(SENTINEL)
@@ -204,7 +214,7 @@ def build_prompt(task: Task, tokenizer) -> Prompt:
             tokens are not stable after the template's tail.
     """
     task = resolve_examples(task)  # the Prompt keeps the task whose examples it shows
-    split = split_at_sentinel(tokenizer, render_messages(task))
+    split = split_at_sentinel(tokenizer, render_messages(task), task.chat_template)
     encode = token_encoder(tokenizer)
     label_ids = {label: _label_tokens(encode, split.tail_text, label) for label in task.labels}
     return Prompt(task, split.prefix_text, input_lead(task), split.tail_text, split.prefix_ids, split.heal, label_ids, split.restart)
