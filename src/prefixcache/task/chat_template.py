@@ -109,6 +109,19 @@ def compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def checked_template(source: str) -> str:
+    """``source`` when it compiles as a chat template.
+
+    Raises:
+        ValueError: it does not (the message names the template's line).
+    """
+    try:
+        compile_template(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"not a valid chat template: {exc.message} (line {exc.lineno} of the template)") from None
+    return source
+
+
 def render_chat(
     source: str,
     messages: Sequence[Any],

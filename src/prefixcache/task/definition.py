@@ -10,15 +10,16 @@ This module knows nothing about tokenizers or models.
 from __future__ import annotations
 
 import re
-import string
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Annotated, Callable, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import TaskError
+from .chat_template import checked_template
+from .input_template import checked_input_template, template_fields
 from .fields import FieldDecl, example_value_problems, located_value_problems
 from .yaml_source import compose_and_construct, line_of
 
@@ -48,6 +49,12 @@ class Selection(BaseModel):
     seed: int = 0
 
 
+# a Jinja chat template to lay a task's prompt out with, in place of the tokenizer's (a pretrained model has none)
+ChatTemplate = Annotated[str, Field(min_length=1), AfterValidator(checked_template)]
+# a record's text as the model sees it: ``str.format`` slots naming the record's fields, at least one
+InputTemplate = Annotated[str, AfterValidator(checked_input_template)]
+
+
 class Task(BaseModel):
     """A classification task.
 
@@ -73,15 +80,14 @@ class Task(BaseModel):
     examples: list[Example] = Field(default_factory=list)
     example_pool: list[Example] = Field(default_factory=list)
     select: Selection | None = None
-    input_template: str = "{text}"
+    input_template: InputTemplate = "{text}"
     pin: bool = False
     head: str | None = Field(default=None, min_length=1)  # a fitted label head file; relative to the task file
     # a prompt-only calibration file (`prefixcache fit --prompt-only`); relative to the task file
     calibration: str | None = Field(default=None, min_length=1)
     min_confidence: float | None = Field(default=None, ge=0.0, le=1.0)  # abstain under this confidence
     target_accuracy: float | None = Field(default=None, gt=0.0, le=1.0)  # abstain so that accepted rows reach it
-    # a Jinja chat template to lay the prompt out with, in place of the tokenizer's (a base model has none)
-    chat_template: str | None = Field(default=None, min_length=1)
+    chat_template: ChatTemplate | None = None
 
     @field_validator("labels")
     @classmethod
@@ -92,22 +98,6 @@ class Task(BaseModel):
             if str(name) != str(name).strip():
                 raise ValueError(f"label name {name!r} has leading or trailing whitespace")
         return labels
-
-    @field_validator("input_template")
-    @classmethod
-    def _template_names_fields(cls, template: str) -> str:
-        try:
-            fields = template_fields(template)
-        except ValueError as exc:
-            raise ValueError(f"not a valid template: {exc}") from None
-        if not fields:
-            raise ValueError("must name at least one record field, for example '{text}'")
-        return template
-
-    @field_validator("chat_template")
-    @classmethod
-    def _chat_template_parses(cls, source: str | None) -> str | None:
-        return chat_template_checked(source)
 
     @model_validator(mode="after")
     def _one_threshold(self) -> Task:
@@ -166,27 +156,6 @@ def pool_problems(pool: list[Example], select: Selection | None, labels: dict[st
     return problems
 
 
-def template_fields(template: str) -> list[str]:
-    """Names of the ``{field}`` slots in a ``str.format`` template, in order, without repeats.
-
-    Raises:
-        ValueError: a slot is not a plain name, or carries a format spec or a conversion (``{text:>9}``,
-            ``{text!r}``): a spec such as ``{text:x>200000}`` would pad every record to any width.
-    """
-    names: list[str] = []
-    for _, field, spec, conversion in string.Formatter().parse(template):
-        if field is None:
-            continue
-        if not field.isidentifier():
-            raise ValueError(f"field {{{field}}} is not a plain name")
-        if spec or conversion:
-            written = "{" + field + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
-            raise ValueError(f"field {written} has a format spec or conversion; write it as {{{field}}}")
-        if field not in names:
-            names.append(field)
-    return names
-
-
 class FieldExample(BaseModel):
     """One few-shot example of an extraction task: a record's text and the field values to extract from it."""
 
@@ -211,11 +180,11 @@ class ExtractTask(BaseModel):
     instruction: str = Field(min_length=1)
     fields: dict[str, FieldDecl] = Field(min_length=1)
     examples: list[FieldExample] = Field(default_factory=list)
-    input_template: str = "{text}"
+    input_template: InputTemplate = "{text}"
     max_new_tokens: int = Field(default=64, ge=1, le=4096)
     stop: list[str] = Field(default_factory=list)
     pin: bool = False
-    chat_template: str | None = Field(default=None, min_length=1)  # as Task's
+    chat_template: ChatTemplate | None = None
 
     @field_validator("fields")
     @classmethod
@@ -223,16 +192,6 @@ class ExtractTask(BaseModel):
         for name in (n for n in fields if not str(n).strip() or str(n) != str(n).strip()):
             raise ValueError(f"field name {name!r} is empty or has leading or trailing whitespace")
         return fields
-
-    @field_validator("input_template")
-    @classmethod
-    def _template_names_fields(cls, template: str) -> str:
-        return Task._template_names_fields(template)
-
-    @field_validator("chat_template")
-    @classmethod
-    def _chat_template_parses(cls, source: str | None) -> str | None:
-        return chat_template_checked(source)
 
     @field_validator("stop")
     @classmethod
@@ -329,25 +288,6 @@ def parse_task(
         if len(problems) > MAX_REPORTED_PROBLEMS:
             lines.append(f"... and {len(problems) - MAX_REPORTED_PROBLEMS} more problems")
         raise TaskError("invalid task file\n  " + "\n  ".join(lines)) from None
-
-
-def chat_template_checked(source: str | None) -> str | None:
-    """``source`` when it parses as a chat template (None stays None).
-
-    Raises:
-        ValueError: it does not parse (the message names the template's line).
-    """
-    if source is None:
-        return None
-    from jinja2 import TemplateSyntaxError
-
-    from .chat_template import compile_template
-
-    try:
-        compile_template(source)
-    except TemplateSyntaxError as exc:
-        raise ValueError(f"not a valid chat template: {exc.message} (line {exc.lineno} of the template)") from None
-    return source
 
 
 def _whole_task_problems(data: dict) -> list[tuple[tuple, str]]:
