@@ -196,6 +196,12 @@ def test_the_curves_table_shows_each_method_at_each_point_and_why_one_is_absent(
     assert "| linear head | 42.0% (5.0%, 30 s) | 90.0% (5.0%, 15 min) |" in table
     assert "| tuned prefix | 30.0% (5.0%, 3 min) | – |" in table
     assert "banking77, all: tuned prefix not run: expected to take 3600 s" in table and "1 torch thread(s)" in table
+    assert "banking77, 2:" not in table and "banking77, all:" in table  # a point like the caption is not named again
+    later = {**doc["points"][1], "threads": 2, "epochs": 2,
+             "results": {"linear head": {"commit": "def5678", "threads": 1, **figures(0.9, 900.0)}}}
+    renamed = tables.curves_table([{**doc, "points": [doc["points"][0], later]}])
+    assert "banking77, all: 2 torch thread(s), at most 2 tuning epochs" in renamed
+    assert "banking77, all: the linear head from an earlier run (commit def5678, 1 torch thread(s))" in renamed
 
 
 def test_the_second_model_table_shows_each_model_on_the_same_rows_and_names_each_run():

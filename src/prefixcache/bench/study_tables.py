@@ -80,12 +80,13 @@ def usual_threads(doc: dict) -> int:
     return max(threads, key=threads.count)
 
 
-def point_run_notes(doc: dict, point: dict) -> list[str]:
-    """What differs at one point of a curve from its data set's caption: the torch threads or the epochs its tuning
-    ran with, and a linear head kept from an earlier run (its commit and threads)."""
+def point_run_notes(doc: dict, point: dict, usual: int) -> list[str]:
+    """What differs at one point of a curve from its data set's caption (``usual`` torch threads, ``doc``'s epochs):
+    the threads or the epochs its tuning ran with, and a linear head kept from an earlier run (its commit and
+    threads)."""
     out, label = [], f"{doc['data']}, {point['per_label']}"
     threads, epochs = point.get("threads", doc["machine"]["threads"]), point.get("epochs", doc["epochs"])
-    if threads != usual_threads(doc) or epochs != doc["epochs"]:
+    if threads != usual or epochs != doc["epochs"]:
         out.append(f"{label}: {threads} torch thread(s), at most {epochs} tuning epochs")
     head = point["results"].get("linear head", {})
     if head.get("commit"):
@@ -108,8 +109,9 @@ def curves_table(docs: list[dict]) -> str:
         commits = ", ".join(sorted({p.get("commit", doc["commit"]) for p in points} | {doc["commit"]}))
         notes.append(f"{doc['data']} (`{doc['task']}`, {doc['labels']} labels, {doc['scored_rows']} held-out rows, "
                      f"commits {commits}, {doc['date']})")
+        usual = usual_threads(doc)
         for p in points:
-            notes.extend(point_run_notes(doc, p))
+            notes.extend(point_run_notes(doc, p, usual))
             for method in CURVE_METHODS:
                 why = p.get("absent", {}).get(method)
                 if why:
